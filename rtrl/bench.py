@@ -1,0 +1,73 @@
+"""`rtrl bench NAME`: benchmark commands.
+
+Each benchmark is a function ``run(settings, quick, log) -> dict`` in the package it measures. This
+module adds what every result must carry (threads, load, cores, versions, wall time) and prints the
+result as the last line, one JSON object, so that scripts can read it with ``tail -n 1``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+BENCHMARKS: dict[str, str] = {
+    "registry": "policy.bench_registry:run",
+    "grpo": "offline_rl.bench_grpo:run",
+    "gateway": "serving.bench_gateway:run",
+    "ingest": "realtime_rl.bench_ingest:run",
+    "online": "realtime_rl.bench_online:run",
+}
+
+
+def machine_record(threads: int) -> dict[str, Any]:
+    """What a reader needs to judge a number: the load it ran under and the threads it used."""
+    load1, load5, _ = os.getloadavg()
+    return {
+        "threads": threads,
+        "cpu_count": os.cpu_count(),
+        "loadavg_1m_start": round(load1, 2),
+        "loadavg_5m_start": round(load5, 2),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+
+
+def resolve(name: str) -> Callable[..., dict[str, Any]]:
+    if name not in BENCHMARKS:
+        raise typer.BadParameter(f"unknown benchmark {name!r}; choose from {', '.join(sorted(BENCHMARKS))}")
+    module_name, func = BENCHMARKS[name].split(":")
+    return getattr(importlib.import_module(module_name), func)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("bench")
+    def bench(
+        name: str = typer.Argument(..., help=f"One of: {', '.join(sorted(BENCHMARKS))}."),
+        as_json: bool = typer.Option(False, "--json", help="End with one JSON line (always printed last)."),
+        quick: bool = typer.Option(False, "--quick", help="A reduced run (smaller sizes) for smoke tests."),
+        config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
+    ) -> None:
+        """Run a benchmark and print its result; the last line is one JSON object."""
+        from rtrl.cli import settings_or_exit
+
+        settings = settings_or_exit(config)
+        run = resolve(name)
+        record = {"bench": name, **machine_record(settings.model.threads)}
+        t0 = time.perf_counter()
+        result = run(settings, quick=quick, log=lambda msg: typer.echo(msg, err=as_json))
+        record.update(result)
+        record["bench"] = name
+        record["wall_s"] = round(time.perf_counter() - t0, 2)
+        record["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+        if not as_json:
+            for key, value in record.items():
+                if not isinstance(value, list | dict):
+                    typer.echo(f"{key:>28}: {value}")
+        typer.echo(json.dumps(record, default=str))

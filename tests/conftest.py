@@ -1,0 +1,71 @@
+"""Shared fixtures: real PostgreSQL, a real Kafka-protocol broker, the tiny model, temporary settings.
+
+A fixture that cannot start its service fails the tests that need it with the reason; nothing is
+skipped silently.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from rtrl import devservices  # noqa: E402
+
+PG_ADMIN_URL = os.environ.get("RTRL_TEST_PG_ADMIN_URL", devservices.DEFAULT_PG_ADMIN_URL)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    try:
+        devservices.ensure_postgres(PG_ADMIN_URL)
+    except devservices.ServiceError as err:
+        pytest.fail(str(err), pytrace=False)
+    return PG_ADMIN_URL
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test."""
+    with devservices.temporary_postgres_database(postgres_admin_url) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[devservices.TansuProcess]:
+    """A Tansu broker on a free loopback port for the whole session (memory storage)."""
+    try:
+        broker = devservices.start_tansu_broker()
+    except devservices.ServiceError as err:
+        pytest.fail(str(err), pytrace=False)
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
+def kafka_bootstrap(kafka_broker: devservices.TansuProcess) -> str:
+    return kafka_broker.bootstrap
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny default model (random weights), built once per session."""
+    from policy.tiny import build_tiny_model
+    from policy.config import TinyModelSettings
+
+    out = tmp_path_factory.mktemp("tiny_model")
+    build_tiny_model(out, TinyModelSettings(corpus_examples=2000))
+    return out
