@@ -26,9 +26,9 @@ class ModelSettings(_Section):
 class TinyModelSettings(_Section):
     """Shape of the tiny default model built by `rtrl init-model` (Llama architecture)."""
 
-    hidden_size: int = Field(128, ge=16, description="Model width.")
+    hidden_size: int = Field(192, ge=16, description="Model width.")
     num_layers: int = Field(4, ge=1, description="Transformer blocks.")
-    num_heads: int = Field(4, ge=1, description="Attention heads (also KV heads).")
+    num_heads: int = Field(6, ge=1, description="Attention heads (also KV heads).")
     intermediate_size: int = Field(384, ge=16, description="MLP width.")
     vocab_size: int = Field(320, ge=260, description="Byte-level BPE vocabulary size (256 bytes + merges + specials).")
     max_position_embeddings: int = Field(512, ge=64, description="Context length.")

@@ -63,8 +63,8 @@ def kafka_bootstrap(kafka_broker: devservices.TansuProcess) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny default model (random weights), built once per session."""
-    from policy.tiny import build_tiny_model
     from policy.config import TinyModelSettings
+    from policy.tiny import build_tiny_model
 
     out = tmp_path_factory.mktemp("tiny_model")
     build_tiny_model(out, TinyModelSettings(corpus_examples=2000))

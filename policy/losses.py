@@ -1,0 +1,179 @@
+"""Policy-gradient losses as pure functions of tensors. Notation (per token t of completion i):
+
+* ``logp``       log π_θ(y_t | ·), current parameters, with gradient;
+* ``old_logp``   log π_old(y_t | ·), the trainer's recompute under the weights that produced the
+  rollout (no gradient);
+* ``behaviour_logp``  log μ(y_t | ·), what the inference engine reported when it sampled y_t;
+* ``mask``       True on real completion tokens; ``A`` an advantage per completion (shape [B]).
+
+All functions return ``(loss, metrics)`` or a tensor; none of them touch a model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Level = Literal["token", "sequence"]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Σ x·m / Σ m over ``dim`` (all elements when None); 0 where the mask is empty."""
+    m = mask.to(x.dtype)
+    if dim is None:
+        return (x * m).sum() / m.sum().clamp_min(1.0)
+    return (x * m).sum(dim) / m.sum(dim).clamp_min(1.0)
+
+
+def _reduce(per_token: torch.Tensor, mask: torch.Tensor, level: Level) -> torch.Tensor:
+    """token: Σ_{i,t} ℓ / Σ_{i,t} 1 (DAPO, long answers weigh more);
+    sequence: (1/B) Σ_i (1/|y_i|) Σ_t ℓ (the GRPO paper's normalisation)."""
+    if level == "token":
+        return masked_mean(per_token, mask)
+    if level == "sequence":
+        return masked_mean(per_token, mask, dim=1).mean()
+    raise ValueError(f"unknown level {level!r}")
+
+
+def group_advantages(rewards: torch.Tensor, scale_by_std: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages for rewards of shape [n_groups, G]:  A_ij = r_ij − mean_j(r_i·),
+    divided by (std_j(r_i·) + eps) when ``scale_by_std`` (the paper's form; Dr. GRPO drops it)."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        centred = centred / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+    return centred
+
+
+def zero_variance_groups(rewards: torch.Tensor, tol: float = 1e-9) -> torch.Tensor:
+    """Bool [n_groups]: groups whose G rewards are all equal (no learning signal, dropped)."""
+    return (rewards.max(dim=1).values - rewards.min(dim=1).values) <= tol
+
+
+def truncated_importance_weight(logp_num: torch.Tensor, logp_den: torch.Tensor, cap: float) -> torch.Tensor:
+    """w = min(exp(logp_num − logp_den), C), no gradient.
+
+    With ``logp_num`` = trainer's recompute under the rollout weights and ``logp_den`` = the inference
+    engine's log-probs this is the train/inference mismatch correction of Yao et al. (2025)."""
+    return torch.exp(logp_num - logp_den).clamp(max=cap).detach()
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = log π − log π_ref  (unbiased for KL(π‖π_ref) under samples from π; can be negative)."""
+    return logp - ref_logp
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1  (unbiased, always ≥ 0; Schulman 2020)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def grpo_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    level: Level = "token",
+    tis_weight: torch.Tensor | None = None,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO clipped surrogate with decoupled clip range (DAPO's clip-higher) and optional k3 KL:
+
+        ρ_t = exp(logp_t − old_logp_t)
+        ℓ_t = −w_t · min(ρ_t·A_i, clip(ρ_t, 1−ε_low, 1+ε_high)·A_i)  +  β · k3_t
+        loss = reduce(ℓ, level)
+
+    where w_t is the truncated importance weight min(π_old/μ, C) for the train/inference mismatch
+    (``tis_weight``; 1 when None). ``reduce`` is token- or sequence-level (see ``_reduce``)."""
+    A = advantages.unsqueeze(1)
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * A
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * A
+    per_token = -torch.minimum(unclipped, clipped)
+    if tis_weight is not None:
+        per_token = per_token * tis_weight
+    kl = None
+    if ref_logp is not None and kl_coef:
+        kl = kl_k3(logp, ref_logp)
+        per_token = per_token + kl_coef * kl
+    loss = _reduce(per_token, mask, level)
+    with torch.no_grad():
+        was_clipped = ((ratio < 1 - clip_low) & (A < 0)) | ((ratio > 1 + clip_high) & (A > 0))
+        metrics = {
+            "clip_fraction": masked_mean(was_clipped.float(), mask).item(),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            "approx_kl_old": masked_mean(kl_k3(logp, old_logp), mask).item(),
+        }
+        if kl is not None:
+            metrics["kl_ref"] = masked_mean(kl, mask).item()
+    return loss, metrics
+
+
+def reinforce_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.2,
+    tis_cap: float = 2.0,
+    level: Level = "token",
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Single-rollout REINFORCE with a baseline, importance-corrected against the behaviour policy μ.
+
+    ``advantages`` are A_i = r_i − b(bucket_i). Importance ratio against μ:
+      token level     ρ_t = exp(logp_t − behaviour_logp_t)
+      sequence level  ρ_t = ρ_i = exp(Σ_t (logp_t − behaviour_logp_t))   (the exact sequence ratio)
+
+    With ``clip`` = ε (trust region by ratio clipping, PPO form with μ as the old policy, plus a
+    dual-clip cap C for negative advantages so a large ratio cannot blow up a penalty):
+        ℓ_t = −max( min(ρ_t A, clip(ρ_t, 1−ε, 1+ε) A),  C·A )   if A < 0
+        ℓ_t = −min(ρ_t A, clip(ρ_t, 1−ε, 1+ε) A)                 otherwise
+    With ``clip=None`` (pure truncated-IS REINFORCE):
+        ℓ_t = −sg(min(ρ_t, C)) · A · logp_t
+    Optional KL trust region: + β · k3(logp, ref_logp) per token (ref = the serving version).
+    """
+    A = advantages.unsqueeze(1)
+    log_ratio = (logp - behaviour_logp).masked_fill(~mask, 0.0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(logp)
+    elif level != "token":
+        raise ValueError(f"unknown level {level!r}")
+    ratio = torch.exp(log_ratio)
+    if clip is None:
+        per_token = -ratio.detach().clamp(max=tis_cap) * A * logp
+        clipped_frac = (ratio > tis_cap).float()
+    else:
+        surrogate = torch.minimum(ratio * A, ratio.clamp(1 - clip, 1 + clip) * A)
+        surrogate = torch.where(A < 0, torch.maximum(surrogate, tis_cap * A), surrogate)
+        per_token = -surrogate
+        clipped_frac = (((ratio < 1 - clip) & (A < 0)) | ((ratio > 1 + clip) & (A > 0))).float()
+    kl = None
+    if ref_logp is not None and kl_coef:
+        kl = kl_k3(logp, ref_logp)
+        per_token = per_token + kl_coef * kl
+    loss = _reduce(per_token, mask, level)
+    with torch.no_grad():
+        metrics = {
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            "clip_fraction": masked_mean(clipped_frac, mask).item(),
+            "kl_behaviour_k3": masked_mean(kl_k3(logp, behaviour_logp), mask).item(),
+        }
+        if kl is not None:
+            metrics["kl_ref"] = masked_mean(kl, mask).item()
+    return loss, metrics
+
+
+def mismatch_metrics(trainer_logp: torch.Tensor, inference_logp: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """Train/inference numerics gap, logged every step: mean |Δlogp| and a k3 KL estimate."""
+    with torch.no_grad():
+        return {
+            "mismatch_abs_logp": masked_mean((trainer_logp - inference_logp).abs(), mask).item(),
+            "mismatch_kl_k3": masked_mean(kl_k3(trainer_logp, inference_logp), mask).item(),
+        }

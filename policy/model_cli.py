@@ -1,0 +1,75 @@
+"""`rtrl init-model` and `rtrl sample`: build the tiny default model and sample from any model dir."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("init-model")
+    def init_model(
+        out: str | None = typer.Option(None, "--out", "-o", help="Output directory (default: model.dir)."),
+        seed: int | None = typer.Option(None, help="Seed (default: tiny.seed). Same seed, same model."),
+        force: bool = typer.Option(False, "--force", help="Overwrite an existing model directory."),
+        config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
+    ) -> None:
+        """Build the tiny default model: a Llama config and a byte-level BPE tokenizer trained locally."""
+        from pathlib import Path
+
+        from policy.tiny import build_tiny_model, parameter_count
+        from rtrl.cli import settings_or_exit
+
+        settings = settings_or_exit(config)
+        cfg = settings.tiny if seed is None else settings.tiny.model_copy(update={"seed": seed})
+        target = Path(out or settings.model.dir)
+        if (target / "config.json").exists() and not force:
+            typer.echo(f"{target} already holds a model; pass --force to rebuild it", err=True)
+            raise typer.Exit(1)
+        build_tiny_model(target, cfg)
+        from policy.loading import load_policy
+
+        policy = load_policy(target)
+        typer.echo(f"built {target}: {parameter_count(policy.model):,} parameters, "
+                   f"vocabulary {len(policy.tokenizer)}")
+
+    @app.command("sample")
+    def sample(
+        prompt: list[str] = typer.Argument(..., help="Prompt text (repeat for a batch). Use $'..\\n..' for newlines."),
+        model_dir: str | None = typer.Option(None, "--model", "-m", help="HF model directory (default: model.dir)."),
+        n: int = typer.Option(1, "-n", help="Samples per prompt."),
+        temperature: float = typer.Option(1.0, help="0 = greedy."),
+        top_p: float = typer.Option(1.0),
+        top_k: int = typer.Option(0),
+        max_tokens: int = typer.Option(32),
+        stop: list[str] = typer.Option(["\n"], help="Stop strings (repeatable)."),
+        seed: int | None = typer.Option(None),
+        as_json: bool = typer.Option(False, "--json", help="Print samples as JSON lines with log-probs."),
+        config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
+    ) -> None:
+        """Sample completions with per-token log-probs."""
+        import torch
+
+        from policy.loading import ModelLoadError, load_policy
+        from policy.sampling import SamplingParams, generate
+        from rtrl.cli import settings_or_exit
+
+        settings = settings_or_exit(config)
+        torch.set_num_threads(settings.model.threads)
+        try:
+            policy = load_policy(model_dir or settings.model.dir, settings.model.dtype, settings.model.device)
+            params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    max_new_tokens=max_tokens, stop=stop, seed=seed)
+        except (ModelLoadError, ValueError) as err:
+            typer.echo(str(err), err=True)
+            raise typer.Exit(2) from None
+        prompts = [p.encode().decode("unicode_escape") for p in prompt]
+        for p, group in zip(prompts, generate(policy.model, policy.tokenizer, prompts, params), strict=True):
+            for s in group:
+                if as_json:
+                    typer.echo(json.dumps({"prompt": p, "text": s.text, "finish_reason": s.finish_reason,
+                                           "token_ids": s.token_ids, "logprobs": s.logprobs,
+                                           "sampling_logprobs": s.sampling_logprobs}))
+                else:
+                    typer.echo(f"{p}{s.text}    [{s.finish_reason}, logp={sum(s.logprobs):.2f}]")

@@ -1,0 +1,215 @@
+"""Batched sampling with a KV cache, returning per-token log-probs.
+
+For every sampled token two log-probs are returned:
+
+* ``logprobs``: log softmax of the raw logits (temperature 1, no truncation): the policy's own
+  probability, the quantity the trainer recomputes and the importance weights compare;
+* ``sampling_logprobs``: log-prob under the distribution actually sampled from (temperature, top-k,
+  top-p applied): the behaviour policy μ in the strict sense.
+
+Rows may carry different sampling parameters (the serving engine batches concurrent requests), so
+temperature / top-k / top-p / seed are applied per row. Finished rows are dropped from the batch and
+the KV cache as they finish. Prompts are left-padded; position ids count real tokens only, which is
+what makes the teacher-forced recompute in :mod:`policy.logprobs` agree with these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError("n must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+
+@dataclass
+class Sample:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[float]
+    sampling_logprobs: list[float]
+
+
+class ContextTooLong(ValueError):
+    """Prompt plus completion budget exceeds the model's context."""
+
+
+def _filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
+    """Logits of the sampling distribution: scaled by 1/T, then top-k and top-p truncation per row."""
+    scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
+        drop = (top_k.unsqueeze(1) > 0) & (rank >= top_k.unsqueeze(1))
+        probs = sorted_logits.softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        mass_before = probs.cumsum(-1) - probs
+        drop |= mass_before >= top_p.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+    return scaled
+
+
+@torch.no_grad()
+def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams], *, eos_token_id: int | None,
+                 pad_token_id: int, decode=None) -> list[Sample]:
+    """Sample one completion per row. ``params[i]`` applies to row i (its ``n`` is ignored here)."""
+    if len(prompt_ids) != len(params):
+        raise ValueError("one SamplingParams per prompt row")
+    if not prompt_ids:
+        return []
+    device = next(model.parameters()).device
+    max_ctx = getattr(model.config, "max_position_embeddings", None)
+    for ids, p in zip(prompt_ids, params, strict=True):
+        if not ids:
+            raise ValueError("empty prompt")
+        if max_ctx is not None and len(ids) + p.max_new_tokens > max_ctx:
+            raise ContextTooLong(f"prompt of {len(ids)} tokens + max_tokens {p.max_new_tokens} exceeds the "
+                                 f"model context of {max_ctx}")
+    B = len(prompt_ids)
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((B, width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((B, width), dtype=torch.long)
+    for i, ids in enumerate(prompt_ids):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        attn[i, width - len(ids):] = 1
+    input_ids, attn = input_ids.to(device), attn.to(device)
+    position_ids = (attn.cumsum(-1) - 1).clamp_min(0)
+
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    greedy = temperature == 0
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    generators = [torch.Generator(device=device).manual_seed(p.seed) if p.seed is not None else None
+                  for p in params]
+    budget = torch.tensor([p.max_new_tokens for p in params], device=device)
+
+    out_tokens: list[list[int]] = [[] for _ in range(B)]
+    out_lp: list[list[float]] = [[] for _ in range(B)]
+    out_slp: list[list[float]] = [[] for _ in range(B)]
+    finish: list[str | None] = [None] * B
+    texts: list[str] = [""] * B
+    active = list(range(B))  # original row index of each live batch row
+    cache = None
+    step_ids, step_pos = input_ids, position_ids
+
+    for step in range(int(budget.max())):
+        out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                    past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits = out.logits[:, -1, :].float()
+        raw_logp = logits.log_softmax(-1)
+        idx = torch.tensor(active, device=device)
+        filt = _filtered_logits(logits, temperature[idx], top_k[idx], top_p[idx])
+        samp_logp = filt.log_softmax(-1)
+        # Exponential-race sampling (argmax of log p - log E, E ~ Exp(1)) lets each row use its own
+        # generator without a Python loop over multinomial calls.
+        noise = torch.empty_like(samp_logp)
+        shared = [j for j, row in enumerate(active) if generators[row] is None]
+        if shared:
+            noise[shared] = torch.empty((len(shared), noise.shape[1]), device=device).exponential_()
+        for j, row in enumerate(active):
+            if generators[row] is not None:
+                noise[j] = torch.empty(noise.shape[1], device=device).exponential_(generator=generators[row])
+        choice = (samp_logp - noise.log()).argmax(-1)
+        choice = torch.where(greedy[idx], logits.argmax(-1), choice)
+        lp = raw_logp.gather(1, choice.unsqueeze(1)).squeeze(1).tolist()
+        slp = samp_logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+        slp = torch.where(greedy[idx], torch.zeros_like(slp), slp).tolist()
+        tokens = choice.tolist()
+
+        keep: list[int] = []
+        for j, row in enumerate(active):
+            tok = tokens[j]
+            out_tokens[row].append(tok)
+            out_lp[row].append(lp[j])
+            out_slp[row].append(slp[j])
+            if eos_token_id is not None and tok == eos_token_id:
+                finish[row] = FINISH_STOP
+                continue
+            stops = params[row].stop
+            if stops and decode is not None:
+                text = decode(out_tokens[row])
+                hit = min((text.find(s) for s in stops if s and s in text), default=-1)
+                if hit >= 0:
+                    texts[row] = text[:hit]
+                    finish[row] = FINISH_STOP
+                    continue
+            if len(out_tokens[row]) >= params[row].max_new_tokens:
+                finish[row] = FINISH_LENGTH
+                continue
+            keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            sel = torch.tensor(keep, device=device)
+            cache.batch_select_indices(sel)
+            attn = attn[sel]
+            choice = choice[sel]
+            step_pos = step_pos[sel]
+            active = [active[j] for j in keep]
+        step_ids = choice.unsqueeze(1)
+        step_pos = step_pos[:, -1:] + 1
+        attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype, device=device)], dim=1)
+
+    samples = []
+    for row in range(B):
+        ids = out_tokens[row]
+        if finish[row] is None:
+            finish[row] = FINISH_LENGTH
+        if not texts[row] and decode is not None:
+            body = ids[:-1] if (finish[row] == FINISH_STOP and eos_token_id is not None and ids
+                                and ids[-1] == eos_token_id) else ids
+            texts[row] = decode(body)
+        samples.append(Sample(prompt_token_ids=list(prompt_ids[row]), token_ids=ids, text=texts[row],
+                              finish_reason=finish[row], logprobs=out_lp[row], sampling_logprobs=out_slp[row]))
+    return samples
+
+
+def encode_prompts(tokenizer, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+    if prompts and isinstance(prompts[0], str):
+        return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    return [list(p) for p in prompts]
+
+
+def generate(model, tokenizer, prompts: list[str] | list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+    """``params.n`` samples for each prompt, in one batch. A seed makes the whole call reproducible."""
+    ids = encode_prompts(tokenizer, prompts)
+    rows, row_params = [], []
+    for i, prompt in enumerate(ids):
+        for k in range(params.n):
+            rows.append(prompt)
+            seed = None if params.seed is None else params.seed + 1_000_003 * i + k
+            row_params.append(SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                             top_k=params.top_k, max_new_tokens=params.max_new_tokens,
+                                             stop=list(params.stop), seed=seed))
+    flat = generate_ids(model, rows, row_params, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id, decode=lambda t: tokenizer.decode(t))
+    return [flat[i * params.n:(i + 1) * params.n] for i in range(len(ids))]
