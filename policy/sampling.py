@@ -120,7 +120,7 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
     cache = None
     step_ids, step_pos = input_ids, position_ids
 
-    for step in range(int(budget.max())):
+    for _ in range(int(budget.max())):
         out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
                     past_key_values=cache, use_cache=True)
         cache = out.past_key_values
