@@ -22,7 +22,7 @@ from pydantic_settings import (
 
 from offline_rl.config import EvalSettings, GRPOSettings, MidtrainSettings, TaskSettings
 from policy.config import ModelSettings, RegistrySettings, TinyModelSettings
-from realtime_rl.config import BusSettings, DatabaseSettings
+from realtime_rl.config import BusSettings, DatabaseSettings, IngestSettings
 from serving.config import ServingSettings
 
 ENV_PREFIX = "RTRL_"
@@ -54,6 +54,7 @@ class Settings(BaseSettings):
     serving: ServingSettings = Field(default_factory=ServingSettings)
     bus: BusSettings = Field(default_factory=BusSettings)
     db: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    ingest: IngestSettings = Field(default_factory=IngestSettings)
 
     @classmethod
     def settings_customise_sources(
