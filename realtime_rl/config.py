@@ -81,3 +81,95 @@ class IngestSettings(_Section):
     retry_backoff_s: float = Field(1.0, gt=0, description="Wait after a failed transaction (database down).")
     pg_copy: bool = Field(True, description="PostgreSQL: stage rows with COPY, then INSERT ... ON CONFLICT.")
     log_every_s: float = Field(10.0, gt=0, description="Progress line interval in follow mode.")
+
+
+class UpdateSettings(_Section):
+    """`rtrl update`: single-rollout REINFORCE from logged feedback (see realtime_rl/update.py)."""
+
+    reward_accept: float = Field(0.75, description="Reward of an accepted completion.")
+    reward_reject: float = Field(-0.25, description="Reward of a rejected completion.")
+    edit_graded: bool = Field(True, description="`edit`: reward_reject + (reward_accept - reward_reject) x share "
+                              "of the completion the user kept (difflib ratio); off: edits count as rejects.")
+    use_explicit_score: bool = Field(False, description="When a feedback carries `score` in [-1, 1], use it "
+                                     "(scaled to [reward_reject, reward_accept]) instead of the signal.")
+    on_policy_only: bool = Field(True, description="Train only on completions served by the current production "
+                                 "version (off: older versions are admitted with importance correction).")
+    max_version_lag: int = Field(2, ge=0, description="With on_policy_only off: oldest admitted version, "
+                                 "counted in releases back from production.")
+    max_age_hours: float = Field(24.0, gt=0, description="With on_policy_only off: drop completions older "
+                                 "than this.")
+    max_examples: int = Field(4096, ge=1, description="Most training examples per update (newest first).")
+    caller_cap_share: float = Field(0.25, gt=0, le=1, description="No caller contributes more than this share "
+                                    "of a batch (extra examples of that caller are dropped, newest kept).")
+    heldout_fraction: float = Field(0.2, ge=0, lt=1, description="Share of logged feedback held out (by "
+                                    "completion id hash) for the off-policy estimate of the release gate.")
+    baseline: Literal["bucket_mean", "value_head"] = Field(
+        "bucket_mean", description="b(x): running mean reward per task bucket (persisted), or a learned "
+        "linear value head on the prompt's last hidden state (cross-fitted, so b never sees its own reward).")
+    baseline_prior: float = Field(0.0, description="Baseline of a bucket never seen before.")
+    behaviour_logprobs: Literal["raw", "sampling"] = Field(
+        "raw", description="Which logged log-prob is μ: `raw` (temperature 1, what the trainer recomputes: "
+        "ρ = 1 at the serving weights) or `sampling` (the transformed distribution actually sampled).")
+    is_level: Literal["token", "sequence"] = Field("token", description="Importance ratio per token or per sequence.")
+    clip: float | None = Field(0.2, gt=0, description="PPO ratio clip ε around μ (None: truncated-IS REINFORCE).")
+    tis_cap: float = Field(2.0, gt=0, description="C: truncation of the importance weight (dual-clip cap).")
+    kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL to the serving version (0 = off).")
+    epochs: int = Field(2, ge=1, description="Passes over the batch.")
+    minibatch_size: int = Field(64, ge=1, description="Examples per optimizer step.")
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip.")
+    seed: int = Field(0, description="Shuffling seed.")
+    work_dir: str = Field("var/runs/realtime", description="Scratch directory for candidate weights.")
+
+
+class ReleaseGateSettings(_Section):
+    """The release gate: offline held-out pass@1 plus an off-policy estimate of the accept rate."""
+
+    offline_epsilon: float = Field(0.03, ge=0, le=1, description="Candidate pass@1 may be at most this far "
+                                   "below production's (and never below eval.gate_threshold).")
+    offline_tasks: int | None = Field(None, ge=1, description="Evaluate on the first N held-out tasks (None: all).")
+    offline_samples: int = Field(2, ge=1, description="Samples per held-out task for pass@1.")
+    estimator: Literal["snips", "clipped_ips"] = Field("snips", description="Off-policy estimator the gate uses "
+                                                       "(both are always reported).")
+    ips_clip: float = Field(10.0, gt=1, description="Weight cap of the clipped-IPS estimator.")
+    ope_margin: float = Field(0.0, ge=0, le=1, description="Estimate may be this far below production's "
+                              "realised accept rate.")
+    use_lower_bound: bool = Field(False, description="Compare the CI's lower bound instead of the point estimate.")
+    min_heldout: int = Field(32, ge=1, description="Fewer held-out logged examples than this fails the gate.")
+    ci: Literal["bootstrap", "normal"] = Field("bootstrap", description="Confidence interval method.")
+    ci_level: float = Field(0.95, gt=0, lt=1, description="Confidence level.")
+    bootstrap_samples: int = Field(1000, ge=100, description="Bootstrap resamples.")
+    canary_share: float = Field(0.0, ge=0, lt=1, description="Share of callers served the candidate before "
+                                "promotion (0: promote at once). With a canary, promotion waits for "
+                                "canary_min_feedback feedbacks whose accept rate is not below production's.")
+    canary_min_feedback: int = Field(100, ge=1, description="Canary feedbacks needed before promotion.")
+
+
+class ScheduleSettings(_Section):
+    """`rtrl scheduler`: when updates run, and the lock that keeps one updater at a time."""
+
+    update_interval: str = Field("3h", description="Interval (`3h`, `90m`, `45s`) or a 5-field cron expression.")
+    min_feedback: int = Field(256, ge=1, description="Skip a cycle with fewer new training examples than this.")
+    misfire_grace_s: int = Field(900, ge=1, description="A run late by more than this is skipped (APScheduler).")
+    coalesce: bool = Field(True, description="Missed runs collapse into one.")
+    run_at_start: bool = Field(False, description="Also run once when the scheduler starts.")
+    lock_name: str = Field("rtrl-updater", description="Name of the updater lock.")
+    lock_stale_s: float = Field(6 * 3600.0, gt=0, description="SQLite lock rows older than this whose holder "
+                                "process is gone are taken over (PostgreSQL advisory locks die with the session).")
+
+
+class SimUsersSettings(_Section):
+    """Simulated users for development, tests and `rtrl bench online`."""
+
+    n_users: int = Field(16, ge=1, description="Callers, each with its own API key.")
+    seed: int = Field(0, description="Seed for preferences and traffic.")
+    style_strictness_min: float = Field(0.8, ge=0, le=1, description="Per-user probability of rejecting a "
+                                        "correct answer not written in the spaced style: lower bound.")
+    style_strictness_max: float = Field(1.0, ge=0, le=1, description="… upper bound (uniform per user).")
+    edit_probability: float = Field(0.0, ge=0, le=1, description="Chance a user edits (keeps part of) a "
+                                    "rejected answer instead of rejecting it outright.")
+    requests_per_cycle: int = Field(512, ge=1, description="Completions requested per simulated cycle.")
+    concurrency: int = Field(4, ge=1, description="Concurrent requests.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature the users request.")
+    max_tokens: int = Field(16, ge=1, description="Completion budget.")

@@ -22,7 +22,15 @@ from pydantic_settings import (
 
 from offline_rl.config import EvalSettings, GRPOSettings, MidtrainSettings, TaskSettings
 from policy.config import ModelSettings, RegistrySettings, TinyModelSettings
-from realtime_rl.config import BusSettings, DatabaseSettings, IngestSettings
+from realtime_rl.config import (
+    BusSettings,
+    DatabaseSettings,
+    IngestSettings,
+    ReleaseGateSettings,
+    ScheduleSettings,
+    SimUsersSettings,
+    UpdateSettings,
+)
 from serving.config import ServingSettings
 
 ENV_PREFIX = "RTRL_"
@@ -55,6 +63,10 @@ class Settings(BaseSettings):
     bus: BusSettings = Field(default_factory=BusSettings)
     db: DatabaseSettings = Field(default_factory=DatabaseSettings)
     ingest: IngestSettings = Field(default_factory=IngestSettings)
+    update: UpdateSettings = Field(default_factory=UpdateSettings)
+    release: ReleaseGateSettings = Field(default_factory=ReleaseGateSettings)
+    schedule: ScheduleSettings = Field(default_factory=ScheduleSettings)
+    simusers: SimUsersSettings = Field(default_factory=SimUsersSettings)
 
     @classmethod
     def settings_customise_sources(
