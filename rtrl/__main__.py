@@ -1,0 +1,3 @@
+from rtrl.cli import main
+
+main()
