@@ -1,0 +1,111 @@
+"""Baselines b(x) for single-rollout REINFORCE: A_i = r_i − b(x_i).
+
+* ``bucket_mean`` (default): the running mean reward of the task bucket, persisted in ``baselines``
+  (sum and count over every update so far). The baseline of example i is the *leave-one-out* mean
+  over the history plus this batch without i::
+
+      b_i = (S_hist + S_batch(bucket_i) − r_i) / (N_hist + N_batch(bucket_i) − 1)
+
+  so b_i never depends on r_i (the gradient stays unbiased) while still using the fresh batch, which
+  matters after a release shifted the reward distribution. A bucket with no other observation gets
+  ``baseline_prior``.
+* ``value_head``: a linear value head V(x) = w·h(x) + c on the serving model's last-prompt-token hidden
+  state, fitted by ridge regression on the batch rewards, cross-fitted over two folds so the head
+  that scores example i never saw r_i. A departure from the usual jointly trained value network:
+  a closed-form fit on frozen features is exact, fast, and cannot destabilise the policy update.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+
+from realtime_rl.dataset import TrainingExample
+from realtime_rl.release_tables import baselines
+
+
+@dataclass
+class BucketStats:
+    reward_sum: float = 0.0
+    count: float = 0.0
+
+
+def load_bucket_stats(conn: sa.Connection) -> dict[str, BucketStats]:
+    rows = conn.execute(sa.select(baselines.c.bucket, baselines.c.reward_sum, baselines.c.count))
+    return {b: BucketStats(s, n) for b, s, n in rows}
+
+
+def bucket_mean_advantages(examples: Sequence[TrainingExample], history: dict[str, BucketStats],
+                           prior: float = 0.0) -> tuple[list[float], list[float]]:
+    """(advantages, baselines) with the leave-one-out running mean per bucket (see module docstring)."""
+    batch: dict[str, BucketStats] = defaultdict(BucketStats)
+    for e in examples:
+        batch[e.bucket].reward_sum += e.reward
+        batch[e.bucket].count += 1
+    adv, base = [], []
+    for e in examples:
+        h = history.get(e.bucket, BucketStats())
+        s = h.reward_sum + batch[e.bucket].reward_sum - e.reward
+        n = h.count + batch[e.bucket].count - 1
+        b = s / n if n > 0 else prior
+        base.append(b)
+        adv.append(e.reward - b)
+    return adv, base
+
+
+def merge_batch(history: dict[str, BucketStats], examples: Sequence[TrainingExample]) -> dict[str, BucketStats]:
+    out = {k: BucketStats(v.reward_sum, v.count) for k, v in history.items()}
+    for e in examples:
+        st = out.setdefault(e.bucket, BucketStats())
+        st.reward_sum += e.reward
+        st.count += 1
+    return out
+
+
+def save_bucket_stats(conn: sa.Connection, stats: dict[str, BucketStats]) -> None:
+    """Replace the persisted baseline (called inside the run-record transaction, so a killed run
+    never counts its batch twice or half)."""
+    now = datetime.now(UTC)
+    conn.execute(sa.delete(baselines))
+    if stats:
+        conn.execute(sa.insert(baselines), [
+            {"bucket": b, "reward_sum": st.reward_sum, "count": st.count, "updated_at": now}
+            for b, st in sorted(stats.items())])
+
+
+def value_head_advantages(model, examples: Sequence[TrainingExample], l2: float = 1.0,
+                          pad_token_id: int = 0) -> tuple[list[float], list[float]]:
+    """Cross-fitted ridge value head on frozen last-prompt-token features (see module docstring)."""
+    import torch
+
+    from policy.logprobs import pad_batch
+
+    if len(examples) < 4:
+        raise ValueError("the value-head baseline needs at least 4 examples")
+    prompts = [e.example.prompt_token_ids for e in examples]
+    feats = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), 64):
+            chunk = prompts[i:i + 64]
+            ids, attn, pos, _, _ = pad_batch(chunk, [[] for _ in chunk], pad_token_id)
+            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, output_hidden_states=True,
+                        use_cache=False)
+            feats.append(out.hidden_states[-1][:, -1, :].float())  # prompts are left-padded
+    x = torch.cat(feats)
+    x = torch.cat([x, torch.ones(len(x), 1)], dim=1)
+    r = torch.tensor([e.reward for e in examples], dtype=torch.float32)
+    fold = torch.arange(len(examples)) % 2
+    pred = torch.empty_like(r)
+    for k in (0, 1):
+        fit, use = fold != k, fold == k
+        xf = x[fit]
+        reg = l2 * torch.eye(x.shape[1])
+        reg[-1, -1] = 0.0  # the intercept is not shrunk
+        w = torch.linalg.solve(xf.T @ xf + reg, xf.T @ r[fit])
+        pred[use] = x[use] @ w
+    base = pred.tolist()
+    return [e.reward - b for e, b in zip(examples, base, strict=True)], base

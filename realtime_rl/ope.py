@@ -1,0 +1,173 @@
+"""Off-policy evaluation of a candidate's accept rate on held-out logged feedback.
+
+Each logged example i has a completion y_i drawn from the serving version μ, an outcome
+r_i = 1[accepted], and its behaviour log-probability log μ(y_i|x_i) = Σ_t logged log-prob. The
+candidate π is scored by the sequence importance weight w_i = π(y_i|x_i) / μ(y_i|x_i), with
+log π recomputed by teacher forcing (``policy.logprobs.sequence_logprobs``):
+
+* IPS            V = (1/n) Σ w_i r_i                      (unbiased, high variance)
+* clipped IPS    V = (1/n) Σ min(w_i, M) r_i              (biased low, bounded variance)
+* SNIPS          V = Σ w_i r_i / Σ w_i                    (self-normalised; bias O(1/n), lies in [0, 1])
+
+Confidence intervals: percentile bootstrap over examples (default), or normal approximation
+(delta method for SNIPS: Var ≈ Σ w_i² (r_i − V)² / (Σ w_i)²). The effective sample size
+(Σ w)² / Σ w² is reported: when it is small the candidate moved far from μ and the estimate says
+little, which the gate treats as it treats any other wide interval.
+
+Which logged log-prob is μ: ``UpdateSettings.behaviour_logprobs``. ``raw`` (temperature-1 log-probs)
+compares the candidate's and the serving version's own distributions; ``sampling`` uses what was
+actually sampled from, and then the candidate is recomputed under the same temperature (read from the
+row's sampling record; top-k/top-p truncation is not replayed, so use ``raw`` when they were on).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from realtime_rl.dataset import TrainingExample
+
+
+@dataclass
+class OPEResult:
+    estimator: str
+    estimate: float
+    ci: tuple[float, float]
+    snips: float
+    clipped_ips: float
+    ips: float
+    n: int
+    ess: float
+    max_weight: float
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["ci"] = list(self.ci)
+        return d
+
+
+def ips(r: np.ndarray, w: np.ndarray) -> float:
+    return float(np.mean(w * r)) if len(r) else float("nan")
+
+
+def clipped_ips(r: np.ndarray, w: np.ndarray, cap: float) -> float:
+    return float(np.mean(np.minimum(w, cap) * r)) if len(r) else float("nan")
+
+
+def snips(r: np.ndarray, w: np.ndarray) -> float:
+    s = float(np.sum(w))
+    return float(np.sum(w * r) / s) if s > 0 else float("nan")
+
+
+def effective_sample_size(w: np.ndarray) -> float:
+    s2 = float(np.sum(w * w))
+    return float(np.sum(w)) ** 2 / s2 if s2 > 0 else 0.0
+
+
+def _z(level: float) -> float:
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf(0.5 + level / 2)
+
+
+def normal_ci(r: np.ndarray, w: np.ndarray, estimator: str, cap: float, level: float) -> tuple[float, float]:
+    n = len(r)
+    if n < 2:
+        return (float("nan"), float("nan"))
+    if estimator == "snips":
+        v = snips(r, w)
+        se = math.sqrt(float(np.sum(w * w * (r - v) ** 2))) / float(np.sum(w))
+    else:
+        x = np.minimum(w, cap) * r
+        v = float(np.mean(x))
+        se = float(np.std(x, ddof=1)) / math.sqrt(n)
+    z = _z(level)
+    return (v - z * se, v + z * se)
+
+
+def bootstrap_ci(r: np.ndarray, w: np.ndarray, estimator: str, cap: float, level: float,
+                 samples: int = 1000, seed: int = 0) -> tuple[float, float]:
+    n = len(r)
+    if n < 2:
+        return (float("nan"), float("nan"))
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(samples, n))
+    rb, wb = r[idx], w[idx]
+    if estimator == "snips":
+        s = wb.sum(1)
+        vals = np.where(s > 0, (wb * rb).sum(1) / np.where(s > 0, s, 1.0), np.nan)
+    else:
+        vals = (np.minimum(wb, cap) * rb).mean(1)
+    lo, hi = np.nanpercentile(vals, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
+    return (float(lo), float(hi))
+
+
+def estimate(r: Sequence[float], log_w: Sequence[float], *, estimator: str = "snips", cap: float = 10.0,
+             ci: str = "bootstrap", level: float = 0.95, samples: int = 1000, seed: int = 0) -> OPEResult:
+    """All three estimates from outcomes and log importance weights; ``estimator`` picks the headline."""
+    ra = np.asarray(r, dtype=np.float64)
+    # Shift before exponentiating: SNIPS is invariant to it, IPS is not, so IPS uses the raw weights.
+    lw = np.asarray(log_w, dtype=np.float64)
+    w = np.exp(np.minimum(lw, 50.0))
+    values = {"snips": snips(ra, w), "clipped_ips": clipped_ips(ra, w, cap), "ips": ips(ra, w)}
+    if estimator not in ("snips", "clipped_ips"):
+        raise ValueError(f"unknown estimator {estimator!r}")
+    interval = (normal_ci(ra, w, estimator, cap, level) if ci == "normal"
+                else bootstrap_ci(ra, w, estimator, cap, level, samples, seed))
+    return OPEResult(estimator=estimator, estimate=values[estimator], ci=interval, snips=values["snips"],
+                     clipped_ips=values["clipped_ips"], ips=values["ips"], n=len(ra),
+                     ess=effective_sample_size(w), max_weight=float(w.max()) if len(w) else 0.0)
+
+
+def accept_rate_ci(accepts: Sequence[bool], level: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for a realised accept rate."""
+    n = len(accepts)
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = sum(bool(a) for a in accepts) / n
+    z = _z(level)
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (c - h, c + h)
+
+
+def _tempered_logprobs(model, prompts, completions, temperatures, pad_token_id: int = 0):
+    """Teacher-forced log-probs under softmax(logits / T_i) (T per row)."""
+    import torch
+
+    from policy.logprobs import pad_batch
+
+    ids, attn, pos, cmask, P = pad_batch(prompts, completions, pad_token_id)
+    C = cmask.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
+        logits = logits[:, P - 1:P - 1 + C, :].float()
+        t = torch.tensor(temperatures, dtype=torch.float32).clamp_min(1e-6).view(-1, 1, 1)
+        lp = (logits / t).log_softmax(-1).gather(-1, ids[:, P:P + C].unsqueeze(-1)).squeeze(-1)
+    return lp.masked_fill(~cmask, 0.0)
+
+
+def candidate_log_weights(model, examples: Sequence[TrainingExample], behaviour: str = "raw",
+                          batch_size: int = 64, pad_token_id: int = 0) -> list[float]:
+    """log w_i = log π(y_i|x_i) − log μ(y_i|x_i), summed over the completion's tokens."""
+    from policy.logprobs import sequence_logprobs
+
+    out: list[float] = []
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        prompts = [e.example.prompt_token_ids for e in chunk]
+        comps = [e.example.completion_token_ids for e in chunk]
+        if behaviour == "sampling":
+            temps = [float((e.example.sampling or {}).get("temperature", 1.0)) or 1.0 for e in chunk]
+            lp = _tempered_logprobs(model, prompts, comps, temps, pad_token_id)
+            mu = [sum(e.example.sampling_logprobs or e.example.logprobs) for e in chunk]
+        else:
+            lp = sequence_logprobs(model, prompts, comps, pad_token_id=pad_token_id).logprobs
+            mu = [sum(e.example.logprobs) for e in chunk]
+        target = lp.sum(1).tolist()
+        out.extend(t - m for t, m in zip(target, mu, strict=True))
+    return out
