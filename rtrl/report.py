@@ -1,0 +1,186 @@
+"""The lifecycle report: ``var/report/index.html`` with PNG plots, and a terminal summary table.
+
+Inputs are plain data gathered by the demo from the rooms (GRPO metrics log, feedback tables,
+registry manifests, gateway swap timings), so the report can be rebuilt from a finished run.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class VersionRow:
+    version: str
+    stage: str
+    accept_rate: float | None = None
+    ci: tuple[float, float] | None = None
+    n_feedback: int = 0
+    offline_pass_at_1: float | None = None
+    ope_estimate: float | None = None
+    delta_bytes: int | None = None
+    raw_bytes: int | None = None
+    kind: str = ""
+    released: bool = True
+    note: str = ""
+
+
+@dataclass
+class ReportData:
+    gate: float
+    grpo_curve: list[tuple[int, float]] = field(default_factory=list)
+    pass_before: float | None = None
+    pass_after: float | None = None
+    versions: list[VersionRow] = field(default_factory=list)
+    swap_pauses_ms: list[float] = field(default_factory=list)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _plots(data: ReportData, out: Path) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures: list[tuple[str, str]] = []
+
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
+    if data.grpo_curve:
+        steps, rates = zip(*data.grpo_curve, strict=True)
+        ax.plot(steps, rates, marker="o", label="held-out pass@1")
+    ax.axhline(data.gate, color="tab:red", linestyle="--", label=f"gate {data.gate:.2f}")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("pass@1")
+    ax.set_title("Offline GRPO: held-out pass rate")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "grpo_pass_rate.png")
+    plt.close(fig)
+    figures.append(("grpo_pass_rate.png", "Held-out pass@1 over GRPO steps, with the quality gate."))
+
+    served = [v for v in data.versions if v.accept_rate is not None]
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
+    if served:
+        xs = range(len(served))
+        rates = [v.accept_rate for v in served]
+        lo = [v.accept_rate - v.ci[0] if v.ci else 0 for v in served]
+        hi = [v.ci[1] - v.accept_rate if v.ci else 0 for v in served]
+        ax.errorbar(xs, rates, yerr=[lo, hi], fmt="o-", capsize=4, label="realised accept rate (95% CI)")
+        ope = [(i, v.ope_estimate) for i, v in enumerate(served) if v.ope_estimate is not None]
+        if ope:
+            ax.scatter([i for i, _ in ope], [e for _, e in ope], marker="x", color="tab:green",
+                       label="off-policy estimate before release", zorder=3)
+        ax.set_xticks(list(xs), [v.version[:8] for v in served], rotation=20)
+    ax.set_ylabel("accept rate")
+    ax.set_title("Real-time RL: accept rate by version")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "accept_rate.png")
+    plt.close(fig)
+    figures.append(("accept_rate.png", "Accept rate of each served version with 95% confidence intervals."))
+
+    sized = [v for v in data.versions if v.delta_bytes]
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
+    if sized:
+        colors = ["tab:gray" if v.kind == "snapshot" else "tab:blue" for v in sized]
+        ax.bar(range(len(sized)), [v.delta_bytes / 1e6 for v in sized], color=colors)
+        ax.set_xticks(range(len(sized)), [v.version[:8] for v in sized], rotation=20)
+        for i, v in enumerate(sized):
+            if v.raw_bytes:
+                ax.annotate(f"{v.raw_bytes / v.delta_bytes:.0f}x", (i, v.delta_bytes / 1e6), ha="center",
+                            va="bottom", fontsize=8)
+    ax.set_ylabel("stored MB")
+    ax.set_title("Registry: bytes stored per version (grey = full snapshot)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out / "delta_size.png")
+    plt.close(fig)
+    figures.append(("delta_size.png", "Bytes stored per version; labels give the ratio to raw bf16 size."))
+
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
+    if data.swap_pauses_ms:
+        ax.bar(range(1, len(data.swap_pauses_ms) + 1), data.swap_pauses_ms, color="tab:purple")
+        ax.set_xticks(range(1, len(data.swap_pauses_ms) + 1))
+    ax.set_xlabel("hot swap #")
+    ax.set_ylabel("pause (ms)")
+    ax.set_title("Gateway: inference pause per weight swap")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out / "swap_pauses.png")
+    plt.close(fig)
+    figures.append(("swap_pauses.png", "How long each hot swap held new requests back."))
+    return figures
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def write_report(data: ReportData, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = _plots(data, out)
+    rows = "\n".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
+            v.version[:12], v.stage, "yes" if v.released else "refused", _fmt(v.offline_pass_at_1),
+            _fmt(v.accept_rate), f"[{_fmt(v.ci[0])}, {_fmt(v.ci[1])}]" if v.ci else "–", v.n_feedback,
+            _fmt(v.ope_estimate), v.note)) + "</tr>"
+        for v in data.versions
+    )
+    imgs = "\n".join(f'<figure><img src="{name}" alt="{html.escape(cap)}"><figcaption>{html.escape(cap)}'
+                     f"</figcaption></figure>" for name, cap in figures)
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in data.stage_seconds.items())
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>rtrl lifecycle report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1100px; color: #222; }}
+.grid {{ display: grid; grid-template-columns: 1fr 1fr; gap: 1rem; }}
+figure {{ margin: 0; }} img {{ width: 100%; border: 1px solid #ddd; }}
+figcaption {{ font-size: .85rem; color: #555; }}
+table {{ border-collapse: collapse; width: 100%; font-size: .9rem; }}
+td, th {{ border-bottom: 1px solid #e5e5e5; padding: .3rem .5rem; text-align: left; }}
+.kpi {{ display: flex; gap: 2rem; margin: 1rem 0; }} .kpi div {{ font-size: 1.4rem; }}
+.kpi span {{ display: block; font-size: .8rem; color: #666; }}
+</style></head><body>
+<h1>rtrl lifecycle report</h1>
+<p>Offline GRPO to the quality gate, then real-time releases from simulated users' feedback.</p>
+<div class="kpi">
+<div>{_fmt(data.pass_before)} → {_fmt(data.pass_after)}<span>held-out pass@1, before → after GRPO</span></div>
+<div>{data.gate:.2f}<span>quality gate</span></div>
+<div>{sum(1 for v in data.versions if v.stage == "realtime" and v.released)}<span>real-time releases</span></div>
+<div>{_fmt(max(data.swap_pauses_ms) if data.swap_pauses_ms else None, 1)} ms<span>longest swap pause</span></div>
+</div>
+<div class="grid">{imgs}</div>
+<h2>Versions</h2>
+<table><thead><tr><th>version</th><th>stage</th><th>released</th><th>offline pass@1</th><th>accept rate</th>
+<th>95% CI</th><th>feedback</th><th>OPE estimate</th><th>note</th></tr></thead>
+<tbody>{rows}</tbody></table>
+<p style="color:#666;font-size:.85rem">Stage times: {html.escape(stages)}</p>
+</body></html>
+"""
+    (out / "index.html").write_text(page, encoding="utf-8")
+    (out / "report.json").write_text(json.dumps(asdict(data), indent=2, default=str))
+    return out / "index.html"
+
+
+def print_summary(data: ReportData) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="rtrl lifecycle summary")
+    for col in ("version", "stage", "released", "offline pass@1", "accept rate", "95% CI", "feedback", "OPE"):
+        table.add_column(col)
+    for v in data.versions:
+        table.add_row(v.version[:12], v.stage, "yes" if v.released else "refused", _fmt(v.offline_pass_at_1),
+                      _fmt(v.accept_rate), f"[{_fmt(v.ci[0])}, {_fmt(v.ci[1])}]" if v.ci else "–",
+                      str(v.n_feedback), _fmt(v.ope_estimate))
+    console = Console()
+    console.print(table)
+    console.print(f"held-out pass@1 {_fmt(data.pass_before)} → {_fmt(data.pass_after)} (gate {data.gate:.2f}); "
+                  f"stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in data.stage_seconds.items()))
