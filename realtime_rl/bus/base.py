@@ -37,6 +37,12 @@ class BusProducer(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def __enter__(self) -> BusProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class BusConsumer(ABC):
     """A consumer with manually managed positions over a set of (topic, partition) pairs."""
@@ -56,3 +62,9 @@ class BusConsumer(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def __enter__(self) -> BusConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
