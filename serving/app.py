@@ -1,0 +1,424 @@
+"""The HTTP layer: OpenAI-compatible routes over a :class:`serving.gateway.Gateway`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming), ``GET /v1/models``,
+``POST /v1/feedback``, ``GET /healthz`` (alive), ``GET /readyz`` (a version is loaded), ``GET /metrics``.
+
+Error contract (OpenAI's ``{"error": {...}}`` body): 401 bad key, 403 refused feedback token, 404
+unknown model, 413 body or prompt too large, 422 invalid JSON or schema (with details), 429 rate
+limited and 503 overloaded (both with ``Retry-After``). A 500 means a bug in the gateway, never a
+client mistake.
+
+Bodies are read and validated here (not by FastAPI's parameter injection) so that the size limit
+applies while reading and every validation error has the same shape.
+
+Streaming note: the engines generate a request's tokens in one batched call, so a streamed response
+is sent token by token once its batch has finished (correct SSE framing, no earlier first token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from policy.sampling import ContextTooLong, SamplingParams
+from realtime_rl.events import CompletionEvent, FeedbackEvent, SamplingRecord
+from serving.chat import render_chat
+from serving.engines.base import EngineClosed, Generation, Overloaded
+from serving.gateway import Gateway, UnknownModel
+from serving.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunk,
+    ChatChunkChoice,
+    ChatDelta,
+    ChatRequest,
+    ChatResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    FeedbackRequest,
+    FeedbackResponse,
+    ModelCard,
+    ModelList,
+    TokenLogprob,
+    Usage,
+)
+
+log = logging.getLogger("serving.app")
+SEED_STRIDE = 1_000_003  # row seed = seed + SEED_STRIDE * prompt index + choice index (as policy.sampling)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None,
+                 retry_after: float | None = None, details: list | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+        self.retry_after, self.details, self.param = retry_after, details, param
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    body = ErrorResponse(error=ErrorDetail(message=err.message, type=err.type, code=err.code, param=err.param,
+                                           details=err.details))
+    headers = {}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(err.retry_after + 0.999)))
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=err.status, headers=headers)
+
+
+def _json(model: BaseModel, headers: dict[str, str] | None = None) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json", headers=headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit",
+                       "invalid_request_error", "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the {limit}-byte limit", "invalid_request_error",
+                           "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(model: type[BaseModel], raw: bytes):
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as err:
+        details = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in err.errors()]
+        first = details[0] if details else {"loc": [], "msg": "invalid body"}
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise APIError(422, f"{where}: {first['msg']}", "invalid_request_error", "invalid_body",
+                       details=details, param=where) from None
+
+
+def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
+    """The FastAPI app. Without ``gateway`` one is built from settings and started with the app."""
+    own = gateway is None
+    gw = gateway or Gateway(settings)
+    s = settings.serving
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if own:
+            await asyncio.to_thread(gw.start)
+        yield
+        if own:
+            await asyncio.to_thread(gw.stop)
+
+    app = FastAPI(title="rtrl gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gw
+    m = gw.metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        route = getattr(request.state, "route", request.url.path)
+        m.requests.labels(route, str(err.status)).inc()
+        return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        m.requests.labels(request.url.path, "500").inc()
+        return _error_response(APIError(500, "internal error", "server_error"))
+
+    def authenticate(request: Request, route: str) -> str:
+        request.state.route = route
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        key_id = gw.keys.authenticate(key.strip()) if scheme.lower() == "bearer" else None
+        if key_id is None:
+            m.auth_failures.inc()
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                           "invalid_request_error", "invalid_api_key")
+        wait = gw.limiter.acquire(key_id)
+        if wait > 0:
+            m.rate_limited.inc()
+            raise APIError(429, "rate limit exceeded for this key", "rate_limit_error", "rate_limited",
+                           retry_after=wait)
+        return key_id
+
+    def encode(text: str) -> list[int]:
+        return gw.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_rows(req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        p = req.prompt
+        if isinstance(p, str):
+            texts = [p]
+        elif all(isinstance(x, str) for x in p):
+            texts = list(p)
+        elif all(isinstance(x, int) for x in p):
+            return [list(p)], [gw.engine.tokenizer.decode(p)]
+        else:
+            ids = [list(x) for x in p]
+            return ids, [gw.engine.tokenizer.decode(x) for x in ids]
+        return [encode(t) for t in texts], texts
+
+    async def generate(key_id: str, req, prompts: list[list[int]], max_tokens: int | None, route: str):
+        if req.n > s.max_n:
+            raise APIError(422, f"n={req.n} exceeds the limit {s.max_n}", "invalid_request_error", "n_too_large",
+                           param="n")
+        max_new = max_tokens or s.default_max_tokens
+        if max_new > s.max_tokens_limit:
+            raise APIError(422, f"max_tokens={max_new} exceeds the limit {s.max_tokens_limit}",
+                           "invalid_request_error", "max_tokens_too_large", param="max_tokens")
+        try:
+            channel = gw.channel_for(key_id, req.model)
+        except UnknownModel as err:
+            raise APIError(404, str(err), "invalid_request_error", "model_not_found", param="model") from None
+        ctx = gw.engine.context_len
+        for ids in prompts:
+            if not ids:
+                raise APIError(422, "prompt is empty", "invalid_request_error", "empty_prompt", param="prompt")
+            if len(ids) > s.max_prompt_tokens or (ctx is not None and len(ids) + max_new > ctx):
+                raise APIError(413, f"prompt of {len(ids)} tokens + max_tokens {max_new} exceeds the limit "
+                               f"(max_prompt_tokens {s.max_prompt_tokens}, context {ctx})",
+                               "invalid_request_error", "context_length_exceeded", param="prompt")
+        rows, params = [], []
+        for i, ids in enumerate(prompts):
+            for k in range(req.n):
+                rows.append(ids)
+                seed = None if req.seed is None else (req.seed + SEED_STRIDE * i + k) % 2**63
+                params.append(SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                             max_new_tokens=max_new, stop=list(req.stop), seed=seed))
+        if len(rows) > s.max_batch * 4:
+            raise APIError(422, f"{len(rows)} sequences (prompts x n) in one request exceed the limit "
+                           f"{s.max_batch * 4}", "invalid_request_error", "too_many_sequences")
+        try:
+            fut = gw.engine.submit(rows, params, channel)
+        except Overloaded as err:
+            raise APIError(503, f"overloaded: {err}", "server_overloaded", "overloaded", retry_after=1) from None
+        except EngineClosed as err:
+            raise APIError(503, str(err), "server_unavailable", "unavailable", retry_after=5) from None
+        t0 = time.perf_counter()
+        try:
+            gens: list[Generation] = await asyncio.wait_for(asyncio.wrap_future(fut), s.request_timeout_s)
+        except TimeoutError:
+            raise APIError(503, "timed out waiting for the engine", "server_overloaded", "timeout",
+                           retry_after=5) from None
+        except EngineClosed as err:
+            raise APIError(503, str(err), "server_unavailable", "unavailable", retry_after=5) from None
+        except ContextTooLong as err:
+            raise APIError(413, str(err), "invalid_request_error", "context_length_exceeded") from None
+        return gens, (time.perf_counter() - t0), max_new
+
+    def record(key_id: str, req, gens: list[Generation], prompt_texts: list[str], max_new: int,
+               t_start: float) -> tuple[str, list[tuple[str, str]]]:
+        """Ids, tokens and events for each choice; returns (model string, [(completion_id, token)])."""
+        now = time.time()
+        latency_ms = (time.perf_counter() - t_start) * 1000
+        sampling = SamplingRecord(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                  max_tokens=max_new, stop=list(req.stop), seed=req.seed)
+        out = []
+        for idx, g in enumerate(gens):
+            cid = "cmpl-" + uuid.uuid4().hex
+            out.append((cid, gw.tokens.issue(cid, key_id, g.version, now)))
+            sample = g.sample
+            gw.emitter.emit(CompletionEvent(
+                completion_id=cid, caller=key_id, model=gw.model_name, version=g.version,
+                prompt=prompt_texts[idx // req.n], completion=sample.text,
+                prompt_token_ids=sample.prompt_token_ids, completion_token_ids=sample.token_ids,
+                logprobs=sample.logprobs, sampling_logprobs=sample.sampling_logprobs, sampling=sampling,
+                finish_reason=sample.finish_reason, latency_ms=latency_ms, task_bucket=req.task_bucket,
+                choice_index=idx))
+            m.completions.labels(g.version).inc()
+            m.tokens.inc(len(sample.token_ids))
+        return f"{gw.model_name}@{gens[0].version}", out
+
+    def token_strings(ids: list[int]) -> list[str]:
+        return [gw.engine.tokenizer.decode([t]) for t in ids]
+
+    def text_pieces(ids: list[int], final: str) -> list[str]:
+        """Per-token text increments whose concatenation is exactly ``final`` (stop-truncated)."""
+        tok = gw.engine.tokenizer
+        pieces, done = [], 0
+        for i in range(len(ids)):
+            cur = tok.decode(ids[:i + 1], skip_special_tokens=True)
+            if cur.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+                pieces.append("")
+                continue
+            end = min(len(cur), len(final))
+            pieces.append(final[done:end] if end > done else "")
+            done = max(done, end)
+        if pieces:
+            pieces[-1] += final[done:]
+        return pieces or [final]
+
+    def usage(gens: list[Generation], prompts: list[list[int]]) -> Usage:
+        pt = sum(len(p) for p in prompts)
+        ct = sum(len(g.sample.token_ids) for g in gens)
+        return Usage(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+
+    def finish(route: str, t_start: float, engine_s: float, status: int = 200) -> dict[str, str]:
+        total = time.perf_counter() - t_start
+        m.requests.labels(route, str(status)).inc()
+        m.latency.labels(route).observe(total)
+        m.overhead.observe(max(0.0, total - engine_s))
+        m.engine_queue.set(gw.engine.queue_depth)
+        return {"x-rtrl-overhead-ms": f"{(total - engine_s) * 1000:.3f}", "x-rtrl-engine-ms": f"{engine_s * 1000:.3f}"}
+
+    def sse(obj: BaseModel | str) -> bytes:
+        data = obj if isinstance(obj, str) else obj.model_dump_json(exclude_none=False)
+        return f"data: {data}\n\n".encode()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        t_start = time.perf_counter()
+        key_id = authenticate(request, "/v1/completions")
+        req = _parse(CompletionRequest, await _read_body(request, s.max_request_bytes))
+        prompts, texts = prompt_rows(req)
+        gens, engine_s, max_new = await generate(key_id, req, prompts, req.max_tokens, "/v1/completions")
+        model, ids = record(key_id, req, gens, texts, max_new, t_start)
+        rid, created = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
+        choices = []
+        for idx, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True)):
+            lp = None
+            if req.logprobs is not None:
+                toks = token_strings(g.sample.token_ids)
+                offsets, pos = [], 0
+                for t in toks:
+                    offsets.append(pos)
+                    pos += len(t)
+                lp = CompletionLogprobs(tokens=toks, token_logprobs=g.sample.logprobs, text_offset=offsets,
+                                        top_logprobs=[{t: v} for t, v in zip(toks, g.sample.logprobs, strict=True)]
+                                        if req.logprobs > 0 else None)
+            choices.append(CompletionChoice(index=idx, text=g.sample.text, logprobs=lp,
+                                            finish_reason=g.sample.finish_reason, completion_id=cid,
+                                            feedback_token=token))
+        body = CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage(gens, prompts))
+        if not req.stream:
+            return _json(body, finish("/v1/completions", t_start, engine_s))
+        headers = finish("/v1/completions", t_start, engine_s)
+
+        async def events() -> AsyncIterator[bytes]:
+            for choice, g in zip(choices, gens, strict=True):
+                pieces = text_pieces(g.sample.token_ids, g.sample.text)
+                for j, piece in enumerate(pieces):
+                    last = j == len(pieces) - 1
+                    chunk = CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
+                        index=choice.index, text=piece, finish_reason=choice.finish_reason if last else None,
+                        completion_id=choice.completion_id, feedback_token=choice.feedback_token)])
+                    yield sse(chunk)
+            if req.include_usage:
+                yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=body.usage))
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        t_start = time.perf_counter()
+        route = "/v1/chat/completions"
+        key_id = authenticate(request, route)
+        req = _parse(ChatRequest, await _read_body(request, s.max_request_bytes))
+        text = render_chat(gw.engine.tokenizer, req.messages)
+        prompts = [encode(text)]
+        gens, engine_s, max_new = await generate(key_id, req, prompts, req.max_completion_tokens or req.max_tokens,
+                                                 route)
+        model, ids = record(key_id, req, gens, [text], max_new, t_start)
+        rid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
+
+        def logprobs_of(g: Generation) -> ChoiceLogprobs | None:
+            if not req.logprobs:
+                return None
+            toks = token_strings(g.sample.token_ids)
+            return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=v, bytes=list(t.encode()), top_logprobs=[])
+                                           for t, v in zip(toks, g.sample.logprobs, strict=True)])
+
+        if not req.stream:
+            choices = [ChatChoice(index=i, message=AssistantMessage(content=g.sample.text), logprobs=logprobs_of(g),
+                                  finish_reason=g.sample.finish_reason, completion_id=cid, feedback_token=token)
+                       for i, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True))]
+            body = ChatResponse(id=rid, created=created, model=model, choices=choices, usage=usage(gens, prompts))
+            return _json(body, finish(route, t_start, engine_s))
+        headers = finish(route, t_start, engine_s)
+        total_usage = usage(gens, prompts)
+
+        async def events() -> AsyncIterator[bytes]:
+            for i, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True)):
+                def chunk(delta: ChatDelta, finish_reason: str | None = None, lp=None,
+                          i=i, cid=cid, token=token) -> ChatChunk:
+                    return ChatChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
+                        index=i, delta=delta, finish_reason=finish_reason, logprobs=lp, completion_id=cid,
+                        feedback_token=token)])
+                yield sse(chunk(ChatDelta(role="assistant", content="")))
+                lps = logprobs_of(g)
+                for j, piece in enumerate(text_pieces(g.sample.token_ids, g.sample.text)):
+                    lp = ChoiceLogprobs(content=[lps.content[j]]) if lps and lps.content else None
+                    if piece or lp:
+                        yield sse(chunk(ChatDelta(content=piece), lp=lp))
+                yield sse(chunk(ChatDelta(), g.sample.finish_reason))
+            if req.include_usage:
+                yield sse(ChatChunk(id=rid, created=created, model=model, choices=[], usage=total_usage))
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authenticate(request, "/v1/models")
+        now = int(time.time())
+        cards = [ModelCard(id=gw.model_name, created=now)]
+        cards += [ModelCard(id=f"{gw.model_name}@{v}", created=now) for v in sorted(set(gw.engine.versions().values()))]
+        m.requests.labels("/v1/models", "200").inc()
+        return _json(ModelList(data=cards))
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request):
+        key_id = authenticate(request, "/v1/feedback")
+        req = _parse(FeedbackRequest, await _read_body(request, s.max_request_bytes))
+        verdict, claims = gw.tokens.check(req.feedback_token, req.completion_id, key_id)
+        m.replay_evictions.set(gw.tokens.replay.evictions)
+        if verdict != "ok":
+            m.feedback_rejected.labels(verdict).inc()
+            reasons = {"forged": "feedback token is not valid for this completion",
+                       "foreign": "this completion was not served to this API key",
+                       "expired": "feedback token has expired",
+                       "replayed": "feedback for this completion was already recorded"}
+            raise APIError(403, reasons[verdict], "permission_error", f"feedback_{verdict}")
+        event = FeedbackEvent(completion_id=req.completion_id, caller=key_id, version=claims.version,
+                              signal=req.signal, kept_text=req.kept_text, score=req.score, comment=req.comment)
+        gw.emitter.emit(event)
+        m.feedback.labels(req.signal).inc()
+        m.requests.labels("/v1/feedback", "200").inc()
+        return _json(FeedbackResponse(completion_id=req.completion_id, version=claims.version,
+                                      event_id=event.event_id))
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        body: dict[str, Any] = {"versions": gw.engine.versions(), "bus_up": gw.emitter.bus_up,
+                                "events_pending": gw.emitter.pending,
+                                "watcher_error": gw.watcher.last_error}
+        if gw.ready:
+            return {"status": "ready", **body}
+        return JSONResponse({"status": "not_ready", **body}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        m.engine_queue.set(gw.engine.queue_depth)
+        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+

@@ -1,0 +1,257 @@
+"""The engine interface and the micro-batcher both engines share.
+
+One worker thread owns the model(s). Requests queue as *jobs* (a request's rows: prompts x n, each
+with its own sampling parameters); the worker takes the first waiting job, waits up to
+``batch_window_ms`` for more, and runs up to ``max_batch`` rows in one generate call. Control jobs
+(weight swaps) go through the same queue, so a swap happens *between* batches: the batch in flight
+finishes on the weights it started with, and every row is attributed to the version of the handle
+that actually produced it (resolved when its batch starts). The time the worker spends on a control
+job is the swap pause: while it runs, nothing is generated; requests wait in the queue, none fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from policy.sampling import Sample, SamplingParams
+from serving.versions import VersionRef
+
+log = logging.getLogger("serving.engine")
+
+PRODUCTION, CANDIDATE = "production", "candidate"
+
+
+class Overloaded(RuntimeError):
+    """The engine queue is full (the gateway answers 503 with Retry-After)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down."""
+
+
+@dataclass
+class Generation:
+    sample: Sample
+    version: str
+    queued_ms: float  # waiting for a batch
+    engine_ms: float  # the generate call that produced it
+
+
+@dataclass
+class _Job:
+    rows: list[list[int]]
+    params: list[SamplingParams]
+    channel: str
+    future: Future
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Control:
+    action: Callable[[], Any]
+    future: Future
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve a future unless its caller gave up on it (a client that disconnected cancels it)."""
+    if fut.cancelled() or fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+class Engine(ABC):
+    """Micro-batching engine. Subclasses hold weights as opaque *handles* and implement the hooks."""
+
+    supports_candidate = True
+    name = "engine"
+
+    def __init__(self, settings, metrics=None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        s = settings.serving
+        self.window_s = s.batch_window_ms / 1000
+        self.max_batch = s.max_batch
+        self.max_queue = s.max_queue
+        self._queue: deque[_Job | _Control] = deque()
+        self._queued_rows = 0
+        self._cond = threading.Condition()
+        self._handles: dict[str, Any] = {}
+        self._closed = False
+        self.tokenizer = None
+        self.context_len: int | None = None
+        self.swap_pauses_s: list[float] = []
+        self._worker = threading.Thread(target=self._run, name=f"{self.name}-batcher", daemon=True)
+        self._worker.start()
+
+    # -- hooks -------------------------------------------------------------------------------------
+    @abstractmethod
+    def _prepare(self, ref: VersionRef) -> Any:
+        """Caller's thread, off the serving path: read weights for ``ref`` into something installable."""
+
+    @abstractmethod
+    def _install(self, channel: str, prepared: Any, ref: VersionRef) -> Any:
+        """Worker thread, between batches: make ``prepared`` live; return the handle to store."""
+
+    @abstractmethod
+    def _generate(self, handle: Any, rows: list[list[int]], params: list[SamplingParams]) -> list[Sample]:
+        """Worker thread: one batched generate call."""
+
+    def _handle_version(self, handle: Any) -> str:
+        return handle.version
+
+    # -- public ------------------------------------------------------------------------------------
+    def versions(self) -> dict[str, str]:
+        return {ch: self._handle_version(h) for ch, h in self._handles.items()}
+
+    @property
+    def ready(self) -> bool:
+        return PRODUCTION in self._handles and not self._closed
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued_rows
+
+    def submit(self, rows: list[list[int]], params: list[SamplingParams], channel: str = PRODUCTION) -> Future:
+        """Queue one request's rows; the future resolves to ``list[Generation]`` in row order."""
+        fut: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("engine is shutting down")
+            if self._queued_rows + len(rows) > self.max_queue:
+                raise Overloaded(f"{self._queued_rows} sequences already waiting (max_queue {self.max_queue})")
+            self._queue.append(_Job(rows, params, channel, fut))
+            self._queued_rows += len(rows)
+            self._cond.notify()
+        return fut
+
+    def load(self, ref: VersionRef, channel: str = PRODUCTION) -> float:
+        """Install ``ref`` on ``channel``; block until live; return the serving pause in seconds."""
+        prepared = self._prepare(ref)
+        fut: Future = Future()
+
+        def action() -> float:
+            t0 = time.perf_counter()
+            self._handles[channel] = self._install(channel, prepared, ref)
+            return time.perf_counter() - t0
+
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("engine is shutting down")
+            self._queue.append(_Control(action, fut))
+            self._cond.notify()
+        pause = fut.result()
+        self.swap_pauses_s.append(pause)
+        return pause
+
+    def drop(self, channel: str) -> None:
+        fut: Future = Future()
+        with self._cond:
+            self._queue.append(_Control(lambda: self._handles.pop(channel, None), fut))
+            self._cond.notify()
+        fut.result()
+
+    def generate_now(self, rows: list[list[int]], params: list[SamplingParams], channel: str = PRODUCTION,
+                     timeout: float | None = None) -> list[Generation]:
+        """Submit and wait: the direct engine path (benchmarks compare the gateway against it)."""
+        return self.submit(rows, params, channel).result(timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._queued_rows = 0
+            self._cond.notify_all()
+        for item in pending:
+            _settle(item.future, error=EngineClosed("engine is shutting down"))
+        self._worker.join(timeout=30)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._handles.clear()
+
+    # -- worker ------------------------------------------------------------------------------------
+    def _take_batch(self) -> list[_Job] | _Control | None:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            first = self._queue.popleft()
+            if isinstance(first, _Control):
+                return first
+            batch, rows = [first], len(first.rows)
+            deadline = time.perf_counter() + self.window_s
+            while rows < self.max_batch:
+                if not self._queue:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                    if self._closed:
+                        break
+                    continue
+                nxt = self._queue[0]
+                if isinstance(nxt, _Control) or rows + len(nxt.rows) > self.max_batch:
+                    break
+                batch.append(self._queue.popleft())
+                rows += len(nxt.rows)
+            self._queued_rows -= rows
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            item = self._take_batch()
+            if item is None:
+                return
+            if isinstance(item, _Control):
+                try:
+                    _settle(item.future, item.action())
+                except BaseException as err:  # noqa: BLE001 - reported to the caller of load()
+                    log.exception("engine control action failed")
+                    _settle(item.future, error=err)
+                continue
+            self._run_batch(item)
+
+    def _run_batch(self, batch: list[_Job]) -> None:
+        groups: dict[int, tuple[Any, list[_Job]]] = {}
+        for job in batch:
+            handle = self._handles.get(job.channel) or self._handles.get(PRODUCTION)
+            if handle is None:
+                _settle(job.future, error=EngineClosed("no model version is loaded yet"))
+                continue
+            groups.setdefault(id(handle), (handle, []))[1].append(job)
+        for handle, jobs in groups.values():
+            rows = [r for j in jobs for r in j.rows]
+            params = [p for j in jobs for p in j.params]
+            t0 = time.perf_counter()
+            try:
+                samples = self._generate(handle, rows, params)
+            except BaseException as err:  # noqa: BLE001 - each request gets the error, the worker lives on
+                log.exception("generate failed for a batch of %d rows", len(rows))
+                for j in jobs:
+                    _settle(j.future, error=err)
+                continue
+            t1 = time.perf_counter()
+            engine_ms = (t1 - t0) * 1000
+            if self.metrics is not None:
+                self.metrics.batch_rows.observe(len(rows))
+            version = self._handle_version(handle)
+            i = 0
+            for j in jobs:
+                out = [Generation(samples[i + k], version, (t0 - j.enqueued) * 1000, engine_ms)
+                       for k in range(len(j.rows))]
+                i += len(j.rows)
+                _settle(j.future, out)

@@ -1,0 +1,161 @@
+"""Which weights to serve: version sources and the watcher that hot-swaps when they change.
+
+Sources answer "which version is on channel X now, and where is its HF directory":
+
+* :class:`RegistrySource` reads the registry's ``production`` / ``candidate`` channels
+  (``policy.registry.Registry``) and materialises the version to a local directory;
+* :class:`DirSource` serves a plain HF directory (``model.dir``). Its version id is the manifest's
+  ``version`` when the directory has an ``rtrl_version.json`` / ``manifest.json`` naming one, else
+  ``sha-`` + the first 16 hex digits of the SHA-256 over the weight files. The path is re-resolved
+  on each poll, so repointing a symlink (a common deploy step) is a new version.
+
+The watcher polls every ``serving.poll_interval_s`` and hands a changed version to the engine, which
+swaps between batches (see :mod:`serving.engines.base`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("serving.versions")
+
+MANIFEST_NAMES = ("rtrl_version.json", "manifest.json")
+
+
+@dataclass(frozen=True)
+class VersionRef:
+    version: str
+    model_dir: Path
+    channel: str = "production"
+
+
+def dir_version(model_dir: str | Path) -> str:
+    path = Path(model_dir).resolve()
+    for name in MANIFEST_NAMES:
+        f = path / name
+        if f.is_file():
+            try:
+                data = json.loads(f.read_text())
+            except ValueError:
+                continue
+            if isinstance(data, dict) and isinstance(data.get("version"), str) and data["version"]:
+                return data["version"]
+    h = hashlib.sha256()
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+    for f in files:
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return "sha-" + h.hexdigest()[:16]
+
+
+class DirSource:
+    """A plain HF directory (production) and optionally a candidate directory."""
+
+    def __init__(self, production_dir: str | Path, candidate_dir: str | Path | None = None) -> None:
+        self._dirs = {"production": Path(production_dir)}
+        if candidate_dir:
+            self._dirs["candidate"] = Path(candidate_dir)
+        self._cache: dict[tuple, str] = {}
+
+    def current(self, channel: str) -> VersionRef | None:
+        path = self._dirs.get(channel)
+        if path is None or not path.exists():
+            return None
+        resolved = path.resolve()
+        stamp = (str(resolved), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size)
+                                      for f in sorted(resolved.iterdir()) if f.is_file()))
+        if stamp not in self._cache:
+            self._cache = {stamp: dir_version(resolved)}
+        return VersionRef(self._cache[stamp], resolved, channel)
+
+
+class RegistrySource:
+    """The registry's channels (``policy.registry``); versions are materialised to local directories."""
+
+    def __init__(self, settings) -> None:
+        from policy.registry import Registry  # imported lazily: the registry is optional for `source=dir`
+
+        self._registry = Registry(settings.registry.url)
+
+    def current(self, channel: str) -> VersionRef | None:
+        version = self._registry.channel(channel)
+        if version is None:
+            return None
+        version = getattr(version, "version", version)
+        return VersionRef(str(version), Path(self._registry.materialize(str(version))), channel)
+
+
+def open_source(settings):
+    s = settings.serving
+    if s.source in ("registry", "auto"):
+        try:
+            source = RegistrySource(settings)
+            if s.source == "registry" or source.current("production") is not None:
+                return source
+        except Exception as err:  # noqa: BLE001 - `auto` falls back to the plain directory
+            if s.source == "registry":
+                raise
+            log.info("registry unavailable (%s); serving the plain directory %s", err, settings.model.dir)
+    return DirSource(settings.model.dir, s.candidate_dir)
+
+
+class VersionWatcher:
+    """Polls a source and swaps the engine to new versions; runs in a daemon thread."""
+
+    def __init__(self, source, engine, interval_s: float, metrics=None, on_swap=None) -> None:
+        self.source, self.engine, self.interval_s = source, engine, interval_s
+        self.metrics, self.on_swap = metrics, on_swap
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="version-watcher", daemon=True)
+
+    def sync(self) -> list[tuple[str, str, float]]:
+        """Check every channel once; install what changed. Returns (channel, version, pause_s) swaps."""
+        swaps = []
+        with self._lock:
+            channels = ["production"] + (["candidate"] if self.engine.supports_candidate else [])
+            for channel in channels:
+                ref = self.source.current(channel)
+                live = self.engine.versions().get(channel)
+                if ref is None:
+                    if live is not None and channel != "production":
+                        self.engine.drop(channel)
+                    continue
+                if ref.version == live:
+                    continue
+                pause = self.engine.load(ref, channel)
+                log.info("serving %s on %s (was %s); pause %.1f ms", ref.version, channel, live, pause * 1000)
+                if self.metrics is not None:
+                    self.metrics.swap_pause.observe(pause)
+                    self.metrics.swaps.labels(channel).inc()
+                swaps.append((channel, ref.version, pause))
+                if self.on_swap is not None:
+                    self.on_swap(channel, ref.version)
+        return swaps
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sync()
+                self.last_error = None
+            except Exception as err:  # noqa: BLE001 - keep serving the current version, retry next poll
+                self.last_error = str(err)
+                log.warning("version poll failed (still serving %s): %s", self.engine.versions(), err)
