@@ -23,12 +23,17 @@ class TaskSettings(_Section):
 
 
 class MidtrainSettings(_Section):
-    """Continued next-token training on the synthetic code corpus."""
+    """Continued next-token training on the synthetic code corpus (train-split functions only)."""
 
-    out_dir: str = Field("var/runs/midtrain", description="Checkpoint directory (an HF directory).")
+    out_dir: str = Field("var/runs/midtrain", description="Output HF directory (model + tokenizer).")
     steps: int = Field(600, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(64, ge=1, description="Sequences per step.")
-    lr: float = Field(2e-3, gt=0, description="Peak AdamW learning rate (cosine decay to 10%).")
+    batch_size: int = Field(64, ge=1, description="Documents per step.")
+    lr: float = Field(2e-3, gt=0, description="Peak AdamW learning rate (cosine decay to min_lr_ratio).")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a share of the peak.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    seed: int = Field(1, description="Corpus and shuffling seed (the tokenizer's corpus used seed 0).")
+    eval_at_end: bool = Field(True, description="Report held-out pass@1 of the result.")
 
 
 class GRPOSettings(_Section):

@@ -20,7 +20,16 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from offline_rl.config import EvalSettings, GRPOSettings, MidtrainSettings, TaskSettings
+from offline_rl.config import (
+    EnvSettings,
+    EvalSettings,
+    GRPOSettings,
+    JudgeSettings,
+    MidtrainSettings,
+    RewardSettings,
+    SandboxSettings,
+    TaskSettings,
+)
 from policy.config import ModelSettings, RegistrySettings, TinyModelSettings
 from realtime_rl.config import (
     BusSettings,
@@ -59,6 +68,10 @@ class Settings(BaseSettings):
     midtrain: MidtrainSettings = Field(default_factory=MidtrainSettings)
     grpo: GRPOSettings = Field(default_factory=GRPOSettings)
     eval: EvalSettings = Field(default_factory=EvalSettings)
+    sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
+    rewards: RewardSettings = Field(default_factory=RewardSettings)
+    judge: JudgeSettings = Field(default_factory=JudgeSettings)
+    env: EnvSettings = Field(default_factory=EnvSettings)
     serving: ServingSettings = Field(default_factory=ServingSettings)
     bus: BusSettings = Field(default_factory=BusSettings)
     db: DatabaseSettings = Field(default_factory=DatabaseSettings)

@@ -1,0 +1,241 @@
+"""Run model-written programs against hidden tests, isolated, and score them in the parent.
+
+The mechanism (network namespace, chroot, dropped uid, rlimits, process-group kill) lives in the
+fork server :mod:`offline_rl.sandbox_zygote`; this module starts it, sends it a program with the test
+*inputs* only, and compares the returned values with the expected outputs here, in the trusted
+process. Values cross the boundary as JSON and are compared as canonical JSON, so ``1``, ``1.0`` and
+``True`` are different answers and no object with a custom ``__eq__`` can reach the comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from offline_rl.config import SandboxSettings
+from offline_rl.tasks import TestCase
+
+ZYGOTE = Path(__file__).with_name("sandbox_zygote.py")
+Status = Literal["passed", "failed", "error", "timeout"]
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (could not start, harness fault); not a verdict on the program."""
+
+
+@dataclass(frozen=True)
+class TestResult:
+    index: int
+    status: Status
+    detail: str | None = None
+
+
+@dataclass
+class RunResult:
+    """Verdict on one program: one entry per hidden test, plus what happened to the process."""
+
+    tests: list[TestResult]
+    compiled: bool
+    error: str | None = None
+    killed: bool = False
+    wall_s: float = 0.0
+    values: list[Any] = field(default_factory=list)
+
+    @property
+    def n_passed(self) -> int:
+        return sum(t.status == "passed" for t in self.tests)
+
+    @property
+    def pass_fraction(self) -> float:
+        return self.n_passed / len(self.tests) if self.tests else 0.0
+
+    @property
+    def all_passed(self) -> bool:
+        return bool(self.tests) and self.n_passed == len(self.tests)
+
+
+def canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, allow_nan=True)
+
+
+class Sandbox:
+    """One fork server. Thread-safe (calls are serialised); use :class:`SandboxPool` for parallelism."""
+
+    def __init__(self, settings: SandboxSettings | None = None):
+        self.settings = settings or SandboxSettings()
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self.isolation = ""
+        self.isolation_reason = ""
+        self._start()
+
+    def _start(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(ZYGOTE), self.settings.isolation],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
+        )
+        hello = self._recv()
+        if hello is None or not hello.get("ready"):
+            err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+            raise SandboxError(f"sandbox did not start: {err.strip() or hello}")
+        self.isolation = hello["isolation"]
+        self.isolation_reason = hello["reason"]
+
+    def _send(self, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self._proc.stdin.write(struct.pack(">I", len(data)) + data)
+        self._proc.stdin.flush()
+
+    def _recv(self) -> dict | None:
+        head = self._proc.stdout.read(4)
+        if len(head) < 4:
+            return None
+        (n,) = struct.unpack(">I", head)
+        return json.loads(self._proc.stdout.read(n))
+
+    def execute(self, code: str, entry_point: str, inputs: Sequence[Sequence[Any]]) -> dict:
+        """Raw run: the zygote's reply (per-input values/errors as reported by the child)."""
+        s = self.settings
+        req = {"code": code, "entry": entry_point, "inputs": [list(a) for a in inputs], "cpu_s": s.cpu_s,
+               "wall_s": s.wall_s, "per_test_s": s.per_test_s, "mem_mb": s.mem_mb, "nproc": s.nproc,
+               "fsize_kb": s.fsize_kb}
+        with self._lock:
+            for attempt in range(2):
+                try:
+                    self._send(req)
+                    reply = self._recv()
+                except (BrokenPipeError, OSError):
+                    reply = None
+                if reply is not None:
+                    break
+                # The fork server died (killed from outside): start a fresh one and retry once.
+                self._kill()
+                if attempt == 0:
+                    self._start()
+            else:
+                raise SandboxError("sandbox fork server died twice in a row")
+        if "harness_error" in reply:
+            raise SandboxError(f"sandbox harness fault: {reply['harness_error']}")
+        return reply
+
+    def run(self, code: str, entry_point: str, tests: Sequence[TestCase]) -> RunResult:
+        """Run ``code`` and score its ``entry_point`` on ``tests``; hidden outputs stay in this process."""
+        reply = self.execute(code, entry_point, [t.args for t in tests])
+        return score_reply(reply, tests)
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.close()
+                self._proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                self._kill()
+        for stream in (self._proc.stdout, self._proc.stderr):
+            if stream:
+                stream.close()
+        self._proc = None
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def score_reply(reply: dict, tests: Sequence[TestCase]) -> RunResult:
+    lines = reply["lines"]
+    killed = bool(reply.get("killed"))
+    wall = float(reply.get("wall_s", 0.0))
+    head = lines[0] if lines else {}
+    for key in ("setup_error", "compile_error", "load_error"):
+        if key in head:
+            status: Status = "timeout" if "timeout" in str(head[key]) else "error"
+            return RunResult(tests=[TestResult(i, status, head[key]) for i in range(len(tests))],
+                             compiled=key != "compile_error", error=f"{key}: {head[key]}", killed=killed,
+                             wall_s=wall)
+    # The first report for each index counts; anything the program wrote itself (extra or garbage
+    # lines) cannot add a pass, because a pass needs the right value.
+    first: dict[int, dict] = {}
+    for line in lines:
+        i = line.get("i") if isinstance(line, dict) else None
+        if isinstance(i, int) and 0 <= i < len(tests) and i not in first:
+            first[i] = line
+    results, values = [], []
+    for i, test in enumerate(tests):
+        line = first.get(i)
+        if line is None:
+            results.append(TestResult(i, "timeout" if killed else "error",
+                                      "killed at the wall-clock limit" if killed else "no result reported"))
+            values.append(None)
+        elif line.get("timeout"):
+            results.append(TestResult(i, "timeout", "per-test time limit"))
+            values.append(None)
+        elif "error" in line:
+            results.append(TestResult(i, "error", str(line["error"])))
+            values.append(None)
+        elif "value" in line:
+            ok = canonical(line["value"]) == canonical(test.expected)
+            results.append(TestResult(i, "passed" if ok else "failed",
+                                      None if ok else f"got {canonical(line['value'])[:80]}"))
+            values.append(line["value"])
+        else:
+            results.append(TestResult(i, "error", "malformed result"))
+            values.append(None)
+    err = None
+    if killed:
+        err = "killed: wall-clock limit or output limit"
+    elif reply.get("signal"):
+        err = f"terminated by signal {reply['signal']}"
+    return RunResult(tests=results, compiled=True, error=err, killed=killed, wall_s=wall, values=values)
+
+
+class SandboxPool:
+    """A few fork servers used in parallel (thread pool: the work happens in the child processes)."""
+
+    def __init__(self, settings: SandboxSettings | None = None, size: int | None = None):
+        self.settings = settings or SandboxSettings()
+        self.size = size or self.settings.pool_size
+        self.sandboxes = [Sandbox(self.settings) for _ in range(self.size)]
+        self._executor = ThreadPoolExecutor(self.size) if self.size > 1 else None
+        self.isolation = self.sandboxes[0].isolation
+
+    def run_many(self, jobs: Sequence[tuple[str, str, Sequence[TestCase]]]) -> list[RunResult]:
+        if self._executor is None:
+            return [self.sandboxes[0].run(*job) for job in jobs]
+        futures = [self._executor.submit(self.sandboxes[i % self.size].run, *job) for i, job in enumerate(jobs)]
+        return [f.result() for f in futures]
+
+    def run(self, code: str, entry_point: str, tests: Sequence[TestCase]) -> RunResult:
+        return self.sandboxes[0].run(code, entry_point, tests)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
+        for sb in self.sandboxes:
+            sb.close()
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

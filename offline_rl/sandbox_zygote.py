@@ -1,0 +1,325 @@
+"""Sandbox fork server: runs model-written programs in isolated, resource-limited children.
+
+Started by :class:`offline_rl.sandbox.Sandbox` as ``python -I -S sandbox_zygote.py MODE``; it imports
+only the standard library (no site-packages, no project code), so it runs from its path alone.
+
+Why a fork server: a fresh interpreter costs ~20–30 ms, a fork of this small warm one ~1–2 ms, and
+GRPO scores thousands of programs. The zygote itself never runs model code; each program runs in a
+forked child that, before touching the program:
+
+* starts a new session (process group) and gets CPU-time, address-space, process-count, file-size,
+  open-file and core-dump limits;
+* ``namespace`` mode (root): the zygote sits in its own network namespace (no interfaces up, so
+  nothing is reachable); the child chroots into a fresh empty directory, drops to a uid of its own
+  (``UID_BASE + zygote pid``, so concurrent sandboxes never share a process-count budget), sets
+  ``no_new_privs``; it cannot see the host filesystem, the harness or the parent;
+* ``inprocess`` mode (fallback without privileges): an audit hook, which Python code cannot remove,
+  refuses sockets, process creation and any ``open`` outside the child's fresh directory.
+
+The zygote receives only the program, the entry point and the test *inputs*; expected outputs never
+leave the parent, which compares the values this child reports. So a program that patches a
+comparison, exits early with status 0 or prints "all tests passed" gains nothing: a test passes only
+if the parent sees the right value for it.
+
+Wire format both ways: 4-byte big-endian length + UTF-8 JSON.
+"""
+
+# Modules a program may use: imported here because a chrooted child cannot import anything new.
+import bisect  # noqa: F401
+import collections  # noqa: F401
+import contextlib
+import ctypes
+import functools  # noqa: F401
+import heapq  # noqa: F401
+import itertools  # noqa: F401
+import json
+import math  # noqa: F401
+import operator  # noqa: F401
+import os
+import random  # noqa: F401
+import re  # noqa: F401
+import resource
+import select
+import shutil
+import signal
+import socket  # noqa: F401  (so that the network test exercises the namespace, not an ImportError)
+import string  # noqa: F401
+import struct
+import sys
+import tempfile
+import time
+
+CLONE_NEWNET = 0x40000000
+PR_SET_NO_NEW_PRIVS = 38
+PR_SET_CHILD_SUBREAPER = 36
+UID_BASE = 200_000
+MAX_OUTPUT = 1 << 20
+RESULT_FD = 3
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _read_frame(stream):
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack(">I", head)
+    return json.loads(stream.read(n).decode("utf-8"))
+
+
+def _write_frame(stream, obj) -> None:
+    data = json.dumps(obj).encode("utf-8")
+    stream.write(struct.pack(">I", len(data)) + data)
+    stream.flush()
+
+
+def _setup_isolation(requested: str) -> tuple[str, str]:
+    """Enter a new network namespace when possible; returns (mode, reason)."""
+    if requested == "inprocess":
+        return "inprocess", "requested"
+    if os.geteuid() != 0:
+        reason = "not root: namespaces, chroot and setuid are unavailable"
+    elif _libc.unshare(CLONE_NEWNET) != 0:
+        reason = f"unshare(CLONE_NEWNET) failed: {os.strerror(ctypes.get_errno())}"
+    else:
+        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        return "namespace", "own network namespace, chroot, dropped uid"
+    if requested == "namespace":
+        raise SystemExit(f"namespace isolation requested but unavailable: {reason}")
+    return "inprocess", reason
+
+
+def _audit_guard(root: str):
+    """In-process fallback: refuse network, new processes and files outside ``root``."""
+    root = os.path.realpath(root)
+    blocked_prefixes = ("socket.", "subprocess.", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
+                        "os.fork", "os.forkpty", "pty.", "ctypes.", "os.kill", "os.killpg", "signal.")
+
+    def hook(event, args):
+        if event.startswith(blocked_prefixes):
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "open":
+            path = args[0]
+            if isinstance(path, int):
+                return
+            full = os.path.realpath(os.path.join(root, os.fsdecode(path)))
+            if full != root and not full.startswith(root + os.sep):
+                raise PermissionError(f"sandbox: open outside the working directory: {path!r}")
+        if event in ("os.rename", "os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link",
+                     "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "os.listdir", "os.scandir"):
+            for path in args[:2]:
+                if isinstance(path, str | bytes):
+                    full = os.path.realpath(os.path.join(root, os.fsdecode(path)))
+                    if full != root and not full.startswith(root + os.sep):
+                        raise PermissionError(f"sandbox: {event} outside the working directory")
+
+    return hook
+
+
+class _TestTimeout(BaseException):
+    """Raised by SIGALRM inside the child when one test exceeds its time (BaseException: a bare
+    ``except Exception`` in the program does not swallow it)."""
+
+
+def _child(req, workdir: str, mode: str, uid: int, write_fd: int) -> None:
+    """Runs in the forked child; never returns."""
+    try:
+        os.setsid()
+        if write_fd != RESULT_FD:
+            os.dup2(write_fd, RESULT_FD)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.closerange(RESULT_FD + 1, 1 << 16)
+        cpu = int(req["cpu_s"])
+        mem = int(req["mem_mb"]) << 20
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(req["fsize_kb"]) << 10,) * 2)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        os.chdir(workdir)
+        if mode == "namespace":
+            resource.setrlimit(resource.RLIMIT_NPROC, (int(req["nproc"]),) * 2)
+            os.chroot(workdir)
+            os.chdir("/")
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        else:
+            resource.setrlimit(resource.RLIMIT_NPROC, (int(req["nproc"]),) * 2)
+            sys.addaudithook(_audit_guard(workdir))
+    except BaseException as err:  # a setup failure must never run the program unconfined
+        os.write(RESULT_FD, (json.dumps({"setup_error": repr(err)}) + "\n").encode())
+        os._exit(3)
+
+    write, dumps = os.write, json.dumps  # keep our own references: the program may rebind globals
+
+    def emit(obj) -> None:
+        data = (dumps(obj) + "\n").encode()
+        while data:
+            data = data[write(RESULT_FD, data):]
+
+    def on_alarm(signum, frame):
+        raise _TestTimeout()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    namespace = {"__name__": "__sandbox__", "__builtins__": __builtins__}
+    try:
+        code = compile(req["code"], "<program>", "exec")
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as err:
+        emit({"compile_error": f"{type(err).__name__}: {err}"})
+        os._exit(0)
+    per_test = float(req["per_test_s"])
+    try:
+        signal.setitimer(signal.ITIMER_REAL, per_test)
+        exec(code, namespace)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        fn = namespace[req["entry"]]
+    except _TestTimeout:
+        emit({"load_error": "timeout while loading the program"})
+        os._exit(0)
+    except BaseException as err:
+        emit({"load_error": f"{type(err).__name__}: {err}"[:300]})
+        os._exit(0)
+    for i, args in enumerate(req["inputs"]):
+        try:
+            signal.setitimer(signal.ITIMER_REAL, per_test)
+            value = fn(*args)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            try:
+                emit({"i": i, "value": value})
+            except (TypeError, ValueError, OverflowError) as err:
+                emit({"i": i, "error": f"unserialisable result: {type(err).__name__}"})
+        except _TestTimeout:
+            emit({"i": i, "timeout": True})
+        except BaseException as err:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            emit({"i": i, "error": f"{type(err).__name__}: {err}"[:300]})
+    os._exit(0)
+
+
+def _sweep(uid: int) -> None:
+    """Kill every process of the child's uid (descendants that escaped the process group with
+    setsid): a helper drops to that uid and signals everything it may signal."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            # kill(-1) reports success even when it finds nothing (EPERM on others' processes is
+            # not an error), so it cannot tell us when we are done. A SIGKILLed process cannot fork
+            # again, so a few passes catch children created while the first pass ran.
+            for _ in range(3):
+                os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _reap_orphans() -> None:
+    """As child subreaper the zygote adopts orphaned grandchildren; collect their exit status."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _run(req, base: str, mode: str, uid: int):
+    workdir = tempfile.mkdtemp(prefix="run-", dir=base)
+    if mode == "namespace":
+        os.chown(workdir, uid, uid)
+    os.chmod(workdir, 0o700)
+    r, w = os.pipe()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        _child(req, workdir, mode, uid, w)
+    os.close(w)
+    deadline = t0 + float(req["wall_s"])
+    chunks, size, killed, truncated = [], 0, False, False
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            killed = True
+            break
+        ready, _, _ = select.select([r], [], [], left)
+        if not ready:
+            continue
+        data = os.read(r, 65536)
+        if not data:
+            break
+        size += len(data)
+        if size > MAX_OUTPUT:
+            truncated = killed = True
+            break
+        chunks.append(data)
+    os.close(r)
+    if killed:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    # The result pipe is closed: the program is done or we stop waiting for it. Give a finished
+    # child a moment to exit, then kill whatever remains.
+    status = None
+    pidfd = os.pidfd_open(pid)
+    try:
+        select.select([pidfd], [], [], 0 if killed else max(0.0, min(0.1, deadline - time.monotonic())))
+    finally:
+        os.close(pidfd)
+    done, st = os.waitpid(pid, os.WNOHANG)
+    if done:
+        status = st
+    else:
+        killed = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    if mode == "namespace":
+        _sweep(uid)
+    _reap_orphans()
+    shutil.rmtree(workdir, ignore_errors=True)
+    lines = []
+    for raw in b"".join(chunks).split(b"\n"):
+        if raw.strip():
+            try:
+                lines.append(json.loads(raw))
+            except ValueError:
+                lines.append({"garbage": True})
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    return {"lines": lines, "killed": killed, "truncated": truncated, "signal": sig, "exit_code": code,
+            "wall_s": time.monotonic() - t0}
+
+
+def main() -> None:
+    requested = sys.argv[1] if len(sys.argv) > 1 else "auto"
+    mode, reason = _setup_isolation(requested)
+    uid = UID_BASE + os.getpid()
+    base = tempfile.mkdtemp(prefix="rtrl-sandbox-")
+    os.chmod(base, 0o711)  # the dropped uid may enter its own run directory, not list others
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    # Nothing but frames may reach stdout.
+    sys.stdout = sys.stderr
+    _write_frame(stdout, {"ready": True, "isolation": mode, "reason": reason, "uid": uid})
+    try:
+        while True:
+            req = _read_frame(stdin)
+            if req is None:
+                break
+            try:
+                reply = _run(req, base, mode, uid)
+            except Exception as err:  # report the harness fault instead of dying silently
+                reply = {"harness_error": repr(err)}
+            _write_frame(stdout, reply)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Rollout producers for the GRPO trainer: in-process (sync) and worker processes (async).
+
+Async: each worker process holds its own copy of the policy (torch sampler or vLLM), its own sandbox,
+and loops *sample tasks → play episodes → score → put batch on the queue* while the trainer trains.
+Weights travel through shared memory: the trainer owns a set of shared tensors, a version counter and
+a lock; after every optimizer step it copies its parameters in and bumps the version. A worker checks
+the counter before each batch and, when it moved, copies the tensors out under the lock (a consistent
+snapshot) and loads them in place (``load_state_dict`` / vLLM ``reload_weights``): it never stops or
+restarts. Every batch carries the version that produced it; the trainer bounds staleness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import random
+import time
+from dataclasses import dataclass, field
+
+from offline_rl.rollout import Trajectory
+
+
+@dataclass
+class RolloutBatch:
+    version: int
+    trajectories: list[Trajectory]
+    gen_s: float
+    worker: int = -1
+    tokens: int = 0
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class WorkerConfig:
+    worker_id: int
+    model_dir: str
+    engine: str
+    env_settings: dict
+    sandbox_settings: dict
+    reward_settings: dict
+    judge_settings: dict
+    prompts_per_batch: int
+    group_size: int
+    temperature: float
+    max_new_tokens: int
+    seed: int
+    threads: int = 1
+
+
+def sample_tasks(tasks, n: int, rng: random.Random):
+    return [tasks[rng.randrange(len(tasks))] for _ in range(n)]
+
+
+def _worker_main(cfg: WorkerConfig, tasks, shared: dict, version, lock, out_q, stop) -> None:
+    """Entry point of a rollout worker process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    from offline_rl.config import EnvSettings, JudgeSettings, RewardSettings, SandboxSettings
+    from offline_rl.env import CodingEnv
+    from offline_rl.judge import make_judge
+    from offline_rl.rewards import RewardFunction
+    from offline_rl.rollout import TorchBackend, VLLMBackend, run_episodes
+    from offline_rl.sandbox import Sandbox
+    from policy.loading import load_policy, load_tokenizer
+
+    torch.set_num_threads(cfg.threads)
+    sandbox = Sandbox(SandboxSettings(**cfg.sandbox_settings))
+    env = CodingEnv(sandbox, EnvSettings(**cfg.env_settings))
+    reward_fn = RewardFunction(sandbox, RewardSettings(**cfg.reward_settings),
+                               make_judge(JudgeSettings(**cfg.judge_settings)))
+    if cfg.engine == "vllm":
+        tok = load_tokenizer(cfg.model_dir)
+        backend = VLLMBackend(cfg.model_dir, tok, seed=cfg.seed + cfg.worker_id)
+    else:
+        policy = load_policy(cfg.model_dir)
+        tok = policy.tokenizer
+        backend = TorchBackend(policy.model, tok)
+    local = -1
+    rng = random.Random(cfg.seed * 1_000_003 + cfg.worker_id)
+    n = 0
+    try:
+        while not stop.is_set():
+            if version.value != local:
+                with lock:
+                    v = version.value
+                    snapshot = {k: t.clone() for k, t in shared.items()}
+                backend.load_weights(snapshot, v)
+                local = v
+            t0 = time.perf_counter()
+            batch_tasks = sample_tasks(tasks, cfg.prompts_per_batch, rng)
+            trajs = run_episodes(backend, tok, env, batch_tasks, cfg.group_size, cfg.temperature,
+                                 cfg.max_new_tokens, seed=rng.randrange(1 << 30), reward_fn=reward_fn)
+            batch = RolloutBatch(version=local, trajectories=trajs, gen_s=time.perf_counter() - t0,
+                                 worker=cfg.worker_id, tokens=sum(t.n_policy_tokens for t in trajs))
+            n += 1
+            while not stop.is_set():
+                try:
+                    out_q.put(batch, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+    finally:
+        sandbox.close()
+
+
+class AsyncRollouts:
+    """Worker processes feeding a bounded queue; the trainer publishes weights with :meth:`publish`."""
+
+    def __init__(self, model, worker_cfgs: list[WorkerConfig], tasks, queue_size: int, version: int = 0):
+        import torch
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.shared = {k: v.detach().clone().contiguous().share_memory_() for k, v in model.state_dict().items()}
+        self.version = ctx.Value("l", version)
+        self.lock = ctx.Lock()
+        self.queue = ctx.Queue(maxsize=queue_size)
+        self.stop_event = ctx.Event()
+        self.procs = []
+        self._torch = torch
+        for cfg in worker_cfgs:
+            p = ctx.Process(target=_worker_main, args=(cfg, tasks, self.shared, self.version, self.lock,
+                                                       self.queue, self.stop_event), daemon=True)
+            p.start()
+            self.procs.append(p)
+
+    def publish(self, model, version: int) -> None:
+        with self._torch.no_grad(), self.lock:
+            for k, v in model.state_dict().items():
+                self.shared[k].copy_(v)
+            self.version.value = version
+
+    def get(self, timeout: float = 600.0) -> RolloutBatch:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.queue.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"rollout worker exited with code {dead[0].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no rollout batch arrived in time") from None
+
+    def close(self) -> None:
+        self.stop_event.set()
+        # Drain so that workers blocked on a full queue can see the stop flag and exit.
+        t_end = time.monotonic() + 10
+        while any(p.is_alive() for p in self.procs) and time.monotonic() < t_end:
+            with contextlib.suppress(queue.Empty):
+                self.queue.get(timeout=0.1)
+        for p in self.procs:
+            p.join(timeout=1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.queue.cancel_join_thread()
