@@ -96,7 +96,8 @@ class EventEmitter:
         if self.bus_up:
             self.wait_idle(timeout)
         self._stop.set()
-        self._thread.join(timeout=timeout + 5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout + 5)
         rest = []
         while True:
             try:

@@ -135,7 +135,7 @@ class VersionWatcher:
                     continue
                 pause = self.engine.load(ref, channel)
                 log.info("serving %s on %s (was %s); pause %.1f ms", ref.version, channel, live, pause * 1000)
-                if self.metrics is not None:
+                if self.metrics is not None and live is not None:  # the first load is start-up, not a pause
                     self.metrics.swap_pause.observe(pause)
                     self.metrics.swaps.labels(channel).inc()
                 swaps.append((channel, ref.version, pause))

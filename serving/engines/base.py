@@ -91,7 +91,8 @@ class Engine(ABC):
         self._closed = False
         self.tokenizer = None
         self.context_len: int | None = None
-        self.swap_pauses_s: list[float] = []
+        self.swap_pauses_s: list[float] = []  # swaps only (a channel's first load is start-up)
+        self.batches_run = 0
         self._worker = threading.Thread(target=self._run, name=f"{self.name}-batcher", daemon=True)
         self._worker.start()
 
@@ -138,6 +139,7 @@ class Engine(ABC):
 
     def load(self, ref: VersionRef, channel: str = PRODUCTION) -> float:
         """Install ``ref`` on ``channel``; block until live; return the serving pause in seconds."""
+        first = channel not in self._handles
         prepared = self._prepare(ref)
         fut: Future = Future()
 
@@ -152,7 +154,8 @@ class Engine(ABC):
             self._queue.append(_Control(action, fut))
             self._cond.notify()
         pause = fut.result()
-        self.swap_pauses_s.append(pause)
+        if not first:
+            self.swap_pauses_s.append(pause)
         return pause
 
     def drop(self, channel: str) -> None:
@@ -245,6 +248,7 @@ class Engine(ABC):
                     _settle(j.future, error=err)
                 continue
             t1 = time.perf_counter()
+            self.batches_run += 1
             engine_ms = (t1 - t0) * 1000
             if self.metrics is not None:
                 self.metrics.batch_rows.observe(len(rows))
