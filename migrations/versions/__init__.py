@@ -1,0 +1,1 @@
+"""Revision files (Alembic ignores this module)."""

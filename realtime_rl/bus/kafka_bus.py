@@ -1,0 +1,210 @@
+"""The Kafka backend, through kafka-python.
+
+Producer: ``acks=all``; the caller keys messages by completion id so a completion and its feedback
+share a partition. The client is created lazily, so a producer can be opened while the broker is
+down; every blocking step is bounded (``send_timeout_s`` for metadata and buffer space,
+``delivery_timeout_ms`` for acknowledgement) and surfaces as :class:`BusUnavailable`.
+
+Consumer: manual partition assignment with explicit seeks; the group id is set (so lag tools see
+the group) but offsets are *not* committed to Kafka: the ingester stores them in its database, in
+the same transaction as the rows. Group-protocol timeouts come from settings (short by default so
+that a member that died is noticed within seconds).
+
+Missing topics are created through the admin client with ``bus.partitions`` partitions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+from realtime_rl.bus.base import BusConsumer, BusProducer, BusUnavailable, Record
+from realtime_rl.config import BusSettings
+
+
+def client_config(settings: BusSettings) -> dict[str, Any]:
+    """Connection and security options shared by producer, consumer and admin client."""
+    config: dict[str, Any] = {
+        "bootstrap_servers": [s.strip() for s in settings.bootstrap_servers.split(",") if s.strip()],
+        "client_id": settings.client_id,
+        "security_protocol": settings.security_protocol,
+        "request_timeout_ms": settings.request_timeout_ms,
+        "reconnect_backoff_max_ms": settings.reconnect_backoff_max_ms,
+    }
+    if settings.sasl_mechanism:
+        config["sasl_mechanism"] = settings.sasl_mechanism
+        config["sasl_plain_username"] = settings.sasl_username
+        if settings.sasl_password is not None:
+            config["sasl_plain_password"] = settings.sasl_password.get_secret_value()
+    for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+        if getattr(settings, name):
+            config[name] = getattr(settings, name)
+    return config
+
+
+def _bootstrap_ms(settings: BusSettings) -> int:
+    return int(settings.send_timeout_s * 1000)
+
+
+class TopicCreator:
+    """Creates missing topics once per process (idempotent: an existing topic is fine)."""
+
+    def __init__(self, settings: BusSettings) -> None:
+        self._settings = settings
+        self._done: set[str] = set()
+        self._lock = threading.Lock()
+
+    def ensure(self, topic: str) -> None:
+        if not self._settings.create_topics or topic in self._done:
+            return
+        with self._lock:
+            if topic in self._done:
+                return
+            admin = None
+            try:
+                admin = KafkaAdminClient(**client_config(self._settings),
+                                         bootstrap_timeout_ms=_bootstrap_ms(self._settings))
+                existing = set(admin.list_topics())
+                if topic not in existing:
+                    with contextlib.suppress(TopicAlreadyExistsError):  # another process was first
+                        admin.create_topics([NewTopic(topic, self._settings.partitions,
+                                                      self._settings.replication_factor)])
+            except (KafkaError, OSError) as err:
+                raise BusUnavailable(f"cannot create topic {topic!r} on {self._settings.bootstrap_servers}: "
+                                     f"{err}") from err
+            finally:
+                if admin is not None:
+                    admin.close()
+            self._done.add(topic)
+
+
+class KafkaBusProducer(BusProducer):
+    def __init__(self, settings: BusSettings) -> None:
+        self._settings = settings
+        self._topics = TopicCreator(settings)
+        self._producer: KafkaProducer | None = None
+        self._lock = threading.Lock()
+        self._pending: list[Any] = []
+
+    def _client(self) -> KafkaProducer:
+        if self._producer is None:
+            s = self._settings
+            try:
+                self._producer = KafkaProducer(
+                    **client_config(s),
+                    acks="all",
+                    linger_ms=s.linger_ms,
+                    batch_size=256 * 1024,
+                    max_block_ms=_bootstrap_ms(s),
+                    bootstrap_timeout_ms=_bootstrap_ms(s),
+                    delivery_timeout_ms=max(s.delivery_timeout_ms, s.linger_ms + s.request_timeout_ms),
+                )
+            except (KafkaError, OSError) as err:
+                raise BusUnavailable(f"Kafka at {s.bootstrap_servers} unreachable: {err}") from err
+        return self._producer
+
+    def send(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+        self._topics.ensure(topic)
+        producer = self._client()
+        try:
+            future = producer.send(topic, value=value, key=key)
+        except (KafkaError, OSError) as err:
+            raise BusUnavailable(f"Kafka send to {topic!r} failed: {err}") from err
+        with self._lock:
+            self._pending.append(future)
+
+    def flush(self, timeout: float | None = None) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if self._producer is None:
+            return
+        s = self._settings
+        bound = timeout if timeout is not None else (s.delivery_timeout_ms + s.request_timeout_ms) / 1000
+        try:
+            self._producer.flush(timeout=bound)
+        except KafkaError as err:
+            raise BusUnavailable(f"Kafka flush did not finish in {bound:.1f} s: {err}") from err
+        failed = [f for f in pending if f.failed()]
+        unfinished = sum(1 for f in pending if not f.is_done)
+        if failed or unfinished:
+            first = failed[0].exception if failed else "not acknowledged in time"
+            raise BusUnavailable(f"{len(failed) + unfinished} of {len(pending)} message(s) not acknowledged "
+                                 f"by Kafka: {first}")
+
+    def close(self) -> None:
+        if self._producer is not None:
+            try:
+                self.flush()
+            finally:
+                self._producer.close(timeout=self._settings.send_timeout_s)
+                self._producer = None
+
+
+class KafkaBusConsumer(BusConsumer):
+    def __init__(self, settings: BusSettings, group: str) -> None:
+        self._settings = settings
+        self._topics = TopicCreator(settings)
+        s = settings
+        try:
+            self._consumer = KafkaConsumer(
+                **client_config(s),
+                group_id=group,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                session_timeout_ms=s.session_timeout_ms,
+                heartbeat_interval_ms=s.heartbeat_interval_ms,
+                max_poll_interval_ms=s.max_poll_interval_ms,
+                fetch_max_bytes=s.fetch_max_bytes,
+                max_partition_fetch_bytes=s.max_partition_fetch_bytes,
+                fetch_max_wait_ms=min(500, s.request_timeout_ms // 2),
+                max_poll_records=10_000,
+                bootstrap_timeout_ms=_bootstrap_ms(s),
+            )
+        except (KafkaError, OSError) as err:
+            raise BusUnavailable(f"Kafka at {s.bootstrap_servers} unreachable: {err}") from err
+
+    def partitions(self, topic: str) -> list[int]:
+        self._topics.ensure(topic)
+        deadline = time.monotonic() + self._settings.send_timeout_s
+        while True:
+            try:
+                found = self._consumer.partitions_for_topic(topic)
+            except (KafkaError, OSError) as err:
+                raise BusUnavailable(f"Kafka metadata for {topic!r} unavailable: {err}") from err
+            if found:
+                return sorted(found)
+            if time.monotonic() >= deadline:
+                raise BusUnavailable(f"topic {topic!r} has no partitions visible on "
+                                     f"{self._settings.bootstrap_servers}")
+            time.sleep(0.1)  # a just-created topic takes a moment to appear in metadata
+
+    def assign(self, positions: dict[tuple[str, int], int]) -> None:
+        tps = {pos: TopicPartition(*pos) for pos in positions}
+        self._consumer.assign(list(tps.values()))
+        for pos, offset in positions.items():
+            self._consumer.seek(tps[pos], offset)
+
+    def poll(self, timeout_s: float = 1.0, max_records: int = 5000) -> list[Record]:
+        try:
+            batches = self._consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except (KafkaError, OSError) as err:
+            raise BusUnavailable(f"Kafka poll failed: {err}") from err
+        return [Record(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp)
+                for messages in batches.values() for m in messages]
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        tps = [TopicPartition(topic, p) for p in self.partitions(topic)]
+        try:
+            ends = self._consumer.end_offsets(tps)
+        except (KafkaError, OSError) as err:
+            raise BusUnavailable(f"Kafka end offsets for {topic!r} unavailable: {err}") from err
+        return {tp.partition: offset for tp, offset in ends.items()}
+
+    def close(self) -> None:
+        self._consumer.close(autocommit=False)

@@ -1,0 +1,380 @@
+"""`rtrl ingest`: completion, feedback and model-version events from the bus into the feedback tables.
+
+Exactly-once effect. The bus delivers at least once; the ingester stores its consumer positions in
+``consumer_offsets`` in the *same* database transaction as the rows those records produced, and
+seeks the bus to the stored positions whenever it (re)starts or a transaction fails. A process
+killed at any instant therefore leaves either the whole batch and its offsets, or neither. Rows
+are also idempotent on the event id, so a producer that resends after a failed flush does not
+double-count. The offset update is conditional (``WHERE next_offset = <what we read>``): if two
+ingesters of one group ever run at once, the slower one's transaction changes nothing, rolls back
+and re-reads the positions, so even then nothing is written twice.
+
+Poison records (oversized, undecodable, schema-invalid, conflicting ids) become ``dead_letters``
+rows in the same transaction and the offsets move past them. A record the database itself rejects
+(a data error) makes the batch retry one record at a time in savepoints, and only that record is
+dead-lettered. Database or bus outages are not poison: the ingester backs off and retries from
+the committed positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+
+from realtime_rl import tables as t
+from realtime_rl.bus import BusConsumer, BusUnavailable, Record, open_consumer
+from realtime_rl.database import make_engine, redacted_url
+from realtime_rl.ingest_decode import DB_REJECTED, Decoded, decode_record
+from realtime_rl.ingest_writer import WriteResult, dead_letter_row, dialect_insert, write_batch
+from realtime_rl.schema import ensure_schema
+
+log = logging.getLogger("realtime_rl.ingest")
+
+_TRANSIENT_DB_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
+                        sa_exc.TimeoutError)
+_DATA_ERRORS = (sa_exc.DataError, sa_exc.IntegrityError)
+
+
+class OffsetsMoved(RuntimeError):
+    """Another ingester of this group committed first; our view of the positions is stale."""
+
+
+_RECOVERABLE = (OffsetsMoved, BusUnavailable, *_TRANSIENT_DB_ERRORS)
+
+
+@dataclass
+class IngestStats:
+    records: int = 0
+    transactions: int = 0
+    fenced: int = 0
+    retries: int = 0
+    last_commit_s: float | None = None
+    """``time.monotonic()`` of the newest commit (benchmarks time producer-to-committed-rows with it)."""
+    written: WriteResult = field(default_factory=WriteResult)
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data.pop("last_commit_s")
+        data.update(data.pop("written"))
+        return data
+
+
+@dataclass
+class _Batch:
+    before: dict[tuple[str, int], int]
+    after: dict[tuple[str, int], int]
+    decoded: list[Decoded]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Ingester:
+    """Consumes the events and versions topics for ``settings.ingest.group`` into the feedback tables.
+
+    ``settings`` is the composed :class:`rtrl.config.Settings` (sections ``bus``, ``db``, ``ingest``).
+    The bus connection is opened lazily, so an ingester can start while the bus is down.
+    """
+
+    def __init__(self, settings, *, consumer: BusConsumer | None = None,
+                 log_fn: Callable[[str], None] | None = None) -> None:
+        self.settings = settings
+        self.cfg = settings.ingest
+        self.group = self.cfg.group
+        self.topics = list(dict.fromkeys([settings.bus.events_topic, settings.bus.versions_topic]))
+        ensure_schema(settings.db)
+        self.engine = make_engine(settings.db)
+        self._consumer = consumer
+        self.positions: dict[tuple[str, int], int] | None = None
+        self.stats = IngestStats()
+        self._log = log_fn or log.info
+        self._empty_polls = 0
+
+    # -- bus attachment -------------------------------------------------------------------------
+
+    @property
+    def consumer(self) -> BusConsumer:
+        if self._consumer is None:
+            self._consumer = open_consumer(self.settings.bus, self.group)
+        return self._consumer
+
+    def _attach(self) -> None:
+        """Read (and initialise) this group's positions from the database and seek the bus there."""
+        wanted = [(topic, p) for topic in self.topics for p in self.consumer.partitions(topic)]
+        offsets = t.consumer_offsets
+        with self.engine.begin() as conn:
+            stored = self._stored_positions(conn)
+            missing = [pos for pos in wanted if pos not in stored]
+            if missing:
+                ends: dict[str, dict[int, int]] = {}
+                if self.cfg.start_from == "latest":
+                    ends = {topic: self.consumer.end_offsets(topic) for topic in {tp for tp, _ in missing}}
+                now = utcnow()
+                rows = [{"group_id": self.group, "topic": topic, "partition": p,
+                         "next_offset": ends.get(topic, {}).get(p, 0), "updated_at": now} for topic, p in missing]
+                conn.execute(dialect_insert(conn, offsets).on_conflict_do_nothing(), rows)
+                stored = self._stored_positions(conn)
+        self.positions = {pos: stored[pos] for pos in wanted}
+        self.consumer.assign(self.positions)
+
+    def _stored_positions(self, conn: sa.Connection) -> dict[tuple[str, int], int]:
+        o = t.consumer_offsets
+        rows = conn.execute(sa.select(o.c.topic, o.c.partition, o.c.next_offset)
+                            .where(o.c.group_id == self.group, o.c.topic.in_(self.topics)))
+        return {(topic, p): off for topic, p, off in rows}
+
+    def _rewind(self) -> None:
+        """The database kept the old positions; make the bus agree (or re-attach from scratch)."""
+        try:
+            if self.positions is not None:
+                self.consumer.assign(self.positions)
+        except BusUnavailable:
+            self.positions = None
+
+    # -- one batch ------------------------------------------------------------------------------
+
+    def run_once(self, max_records: int | None = None) -> int:
+        """Poll up to ``max_records`` records, write them and their offsets in one transaction.
+
+        Returns the number of records consumed (dead-lettered ones included); 0 when the poll timed
+        out empty. Raises :class:`BusUnavailable` or a SQLAlchemy operational error on outages
+        (nothing is committed then; the next call resumes from the committed positions).
+        """
+        if self.positions is None:
+            self._attach()
+        assert self.positions is not None
+        records = self._gather(max_records or self.cfg.batch_max_records, self.positions)
+        if not records:
+            self._empty_polls += 1
+            return 0
+        self._empty_polls = 0
+        try:
+            self._apply(self._prepare(records, self.positions))
+        except OffsetsMoved as err:
+            self._fenced(err)
+        except BaseException:
+            self._rewind()
+            raise
+        return len(records)
+
+    def _gather(self, limit: int, floor: dict[tuple[str, int], int]) -> list[Record]:
+        records: list[Record] = []
+        deadline: float | None = None
+        timeout = self.cfg.poll_timeout_s
+        while len(records) < limit:
+            polled = self.consumer.poll(timeout_s=timeout, max_records=limit - len(records))
+            # Anything below ``floor`` (a fetch that raced a rewind) was already taken care of.
+            records.extend(r for r in polled if r.offset >= floor.get((r.topic, r.partition), 1 << 62))
+            if not polled:
+                break
+            if deadline is None:
+                deadline = time.monotonic() + self.cfg.batch_max_wait_ms / 1000
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                break
+        return records
+
+    def _prepare(self, records: list[Record], before: dict[tuple[str, int], int]) -> _Batch:
+        after = dict(before)
+        for r in records:
+            pos = (r.topic, r.partition)
+            after[pos] = max(after[pos], r.offset + 1)
+        return _Batch(before, after, [decode_record(r, self.cfg.max_event_bytes) for r in records])
+
+    def _apply(self, batch: _Batch) -> None:
+        """One transaction: advance the offsets from ``batch.before`` to ``batch.after``, write the rows.
+
+        Never touches the bus consumer (it may run on the commit thread while the main thread polls).
+        """
+        now = utcnow()
+        with self.engine.begin() as conn:
+            self._advance(conn, batch.before, batch.after, now)
+            result = self._write(conn, batch.decoded, now)
+        self.positions = batch.after
+        self.stats.records += len(batch.decoded)
+        self.stats.transactions += 1
+        self.stats.last_commit_s = time.monotonic()
+        self.stats.written.add(result)
+
+    def _fenced(self, err: OffsetsMoved) -> None:
+        self.stats.fenced += 1
+        self._log(f"ingest: {err}; re-reading positions")
+        self.positions = None
+
+    def _advance(self, conn: sa.Connection, before: dict, after: dict, now: datetime) -> None:
+        o = t.consumer_offsets
+        for pos in sorted(p for p in after if after[p] != before[p]):
+            topic, partition = pos
+            moved = conn.execute(
+                sa.update(o).where(o.c.group_id == self.group, o.c.topic == topic, o.c.partition == partition,
+                                   o.c.next_offset == before[pos])
+                .values(next_offset=after[pos], updated_at=now)).rowcount
+            if moved != 1:
+                raise OffsetsMoved(f"{topic}[{partition}] moved past {before[pos]} in another transaction")
+
+    def _write(self, conn: sa.Connection, decoded: list[Decoded], now: datetime) -> WriteResult:
+        max_raw = self.cfg.dead_letter_max_raw_bytes
+        try:
+            with conn.begin_nested():
+                return write_batch(conn, decoded, now, max_raw=max_raw, use_copy=self.cfg.pg_copy)
+        except _DATA_ERRORS:
+            pass
+        # Some record is refused by the database itself: find it, one savepoint per record.
+        result = WriteResult()
+        for item in decoded:
+            try:
+                with conn.begin_nested():
+                    result.add(write_batch(conn, [item], now, max_raw=max_raw, use_copy=False))
+            except _DATA_ERRORS as err:
+                detail = f"{type(err.orig).__name__}: {err.orig}" if getattr(err, "orig", None) else str(err)
+                row = dead_letter_row(item, now, max_raw, DB_REJECTED, detail)
+                conn.execute(sa.insert(t.dead_letters), [row])
+                result.dead_letters += 1
+                result.by_reason[DB_REJECTED] = result.by_reason.get(DB_REJECTED, 0) + 1
+        return result
+
+    # -- loops ----------------------------------------------------------------------------------
+
+    def lag(self) -> int:
+        """Records between the committed positions and the bus's end offsets (as the broker reports them)."""
+        if self.positions is None:
+            self._attach()
+        assert self.positions is not None
+        total = 0
+        for topic in self.topics:
+            for p, end in self.consumer.end_offsets(topic).items():
+                total += max(0, end - self.positions.get((topic, p), 0))
+        return total
+
+    def run(self, stop_event: threading.Event | None = None, max_idle_s: float | None = None) -> IngestStats:
+        """Ingest until ``stop_event`` is set, or until nothing arrived for ``max_idle_s`` seconds.
+
+        Pipelined: while one batch's transaction runs on a helper thread (the database works, the
+        GIL is free), the next batch is polled and decoded. A batch is only submitted after the
+        previous one committed, so transactions never overlap and a failure discards what was read
+        ahead (the bus is rewound to the committed positions). Outages of the bus or the database
+        are waited out, ``retry_backoff_s`` between tries.
+        """
+        stop = stop_event or threading.Event()
+        idle_since = last_log = time.monotonic()
+        logged = 0
+        inflight: tuple[Future, _Batch] | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix="ingest-commit") as pool:
+            while not stop.is_set():
+                n = 0
+                try:
+                    if self.positions is None:
+                        self._attach()
+                    assert self.positions is not None
+                    floor = inflight[1].after if inflight is not None else self.positions
+                    records = self._gather(self.cfg.batch_max_records, floor)
+                    batch = self._prepare(records, floor) if records else None
+                    if inflight is not None:
+                        done, inflight = inflight[0], None
+                        done.result()
+                    if batch is not None:
+                        inflight = (pool.submit(self._apply, batch), batch)
+                        n = len(batch.decoded)
+                except _RECOVERABLE as err:
+                    if inflight is not None:
+                        # Let the running transaction end first: either way, resume from the database.
+                        done, inflight = inflight[0], None
+                        with contextlib.suppress(*_RECOVERABLE):
+                            done.result()
+                    self._recover(err, stop)
+                now = time.monotonic()
+                if n:
+                    idle_since = now
+                elif max_idle_s is not None and now - idle_since >= max_idle_s and inflight is None:
+                    break
+                if now - last_log >= self.cfg.log_every_s and self.stats.records != logged:
+                    s = self.stats
+                    self._log(f"ingest: {s.records} records ({s.written.completions} completions, "
+                              f"{s.written.feedback} feedback, {s.written.joined} joined, "
+                              f"{s.written.dead_letters} dead letters)")
+                    last_log, logged = now, s.records
+            if inflight is not None:
+                try:
+                    inflight[0].result()  # commit the last batch before returning
+                except _RECOVERABLE as err:
+                    self._log(f"ingest: last batch not committed ({err}); it will be read again")
+        return self.stats
+
+    def drain(self, timeout_s: float | None = None,
+              progress: Callable[[int], None] | None = None) -> IngestStats:
+        """Ingest until caught up: two empty polls in a row and no lag by the broker's end offsets.
+
+        Two empty polls, not one: a broker may under-report end offsets (Tansu reports the last
+        batch's base offset), and a first poll right after a seek can come back before the fetch.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._empty_polls = 0
+        while True:
+            n = self.run_once()
+            if progress is not None and n:
+                progress(n)
+            if n == 0 and self._empty_polls >= 2 and self.lag() == 0:
+                return self.stats
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"ingest did not catch up within {timeout_s} s (lag {self.lag()})")
+
+    def _recover(self, err: BaseException, stop: threading.Event) -> None:
+        """After a failed step: nothing half-done is kept, so re-attach from the stored positions."""
+        if isinstance(err, OffsetsMoved):
+            self._fenced(err)
+        elif isinstance(err, BusUnavailable):
+            self._outage(f"bus unavailable: {err}", stop)
+        else:
+            self._outage(f"database {redacted_url(self.settings.db)} unavailable: "
+                         f"{type(err).__name__}: {str(err).splitlines()[0]}", stop)
+
+    def _outage(self, message: str, stop: threading.Event) -> None:
+        self.stats.retries += 1
+        if self.stats.retries == 1 or self.stats.retries % 10 == 0:
+            self._log(f"ingest: {message}; retrying every {self.cfg.retry_backoff_s:g} s")
+        self.positions = None  # re-attach (and re-seek) once the outage is over
+        stop.wait(self.cfg.retry_backoff_s)
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+        self.engine.dispose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m realtime_rl.ingest [--once]``: the same as ``rtrl ingest`` (used by crash tests)."""
+    import argparse
+    import signal
+
+    from rtrl.config import load_settings
+
+    parser = argparse.ArgumentParser(description="Ingest bus events into the feedback tables.")
+    parser.add_argument("--once", action="store_true", help="Stop when caught up.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    ingester = Ingester(load_settings())
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        if args.once:
+            ingester.drain()
+        else:
+            ingester.run(stop)
+    finally:
+        ingester.close()
+    print(ingester.stats.as_dict(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

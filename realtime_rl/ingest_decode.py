@@ -1,0 +1,95 @@
+"""Turning one bus record into an event, or into the reason it must be dead-lettered.
+
+Beyond the wire schema (``realtime_rl.events``), the ingester refuses what would corrupt training
+data or fail in the database later: log-prob arrays that do not line up with the sampled tokens,
+non-finite or positive log-probs, an ``edit`` without the kept text, a score outside [-1, 1], and
+NUL characters (PostgreSQL text cannot hold them, and both databases must behave the same).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from realtime_rl.bus.base import Record
+from realtime_rl.events import CompletionEvent, FeedbackEvent, ModelVersionEvent, decode_event
+
+Event = CompletionEvent | FeedbackEvent | ModelVersionEvent
+
+OVERSIZED = "oversized"
+UNDECODABLE = "undecodable"
+SCHEMA_INVALID = "schema_invalid"
+CONFLICT = "conflict"
+DB_REJECTED = "db_rejected"
+REASONS = (OVERSIZED, UNDECODABLE, SCHEMA_INVALID, CONFLICT, DB_REJECTED)
+
+_LOGPROB_SLACK = 1e-4
+"""Log-probs a hair above 0 come from float rounding of probabilities near 1; more is a bug."""
+
+
+@dataclass(slots=True)
+class Decoded:
+    record: Record
+    event: Event | None = None
+    reason: str | None = None
+    detail: str | None = None
+
+
+def decode_record(record: Record, max_event_bytes: int) -> Decoded:
+    value = record.value
+    if len(value) > max_event_bytes:
+        return Decoded(record, reason=OVERSIZED,
+                       detail=f"{len(value)} bytes exceeds the {max_event_bytes}-byte limit")
+    try:
+        event = decode_event(value)
+    except ValidationError as err:
+        errors = err.errors(include_url=False)
+        undecodable = any(e["type"].startswith("json") for e in errors)
+        return Decoded(record, reason=UNDECODABLE if undecodable else SCHEMA_INVALID,
+                       detail=_summarise(errors))
+    except ValueError as err:  # decode_event's own size limit
+        return Decoded(record, reason=OVERSIZED, detail=str(err))
+    problem = semantic_problem(event, may_contain_nul=b"\\u0000" in value)
+    if problem is not None:
+        return Decoded(record, reason=SCHEMA_INVALID, detail=problem)
+    return Decoded(record, event=event)
+
+
+def _summarise(errors: list[dict]) -> str:
+    parts = []
+    for e in errors[:5]:
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        parts.append(f"{loc}: {e['msg']}")
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more
+
+
+def semantic_problem(event: Event, may_contain_nul: bool = True) -> str | None:
+    """What is wrong with a schema-valid event, or None."""
+    if may_contain_nul:
+        for name, value in event:
+            if isinstance(value, str) and "\x00" in value:
+                return f"{name}: contains a NUL character"
+    if isinstance(event, CompletionEvent):
+        n = len(event.completion_token_ids)
+        for name in ("logprobs", "sampling_logprobs", "expert_ids"):
+            values = getattr(event, name)
+            if values is not None and len(values) != n:
+                return f"{name}: {len(values)} entries for {n} completion tokens"
+        for name in ("logprobs", "sampling_logprobs"):
+            values = getattr(event, name)
+            # A NaN or an infinity makes the sum non-finite; one test per list instead of per value.
+            if values and not (math.isfinite(sum(values)) and max(values) <= _LOGPROB_SLACK):
+                return f"{name}: log-probs must be finite and <= 0"
+        if not math.isfinite(event.latency_ms) or event.latency_ms < 0:
+            return "latency_ms: must be finite and >= 0"
+    elif isinstance(event, FeedbackEvent):
+        if event.signal == "edit" and event.kept_text is None:
+            return "kept_text: required when signal is 'edit'"
+        if event.score is not None and not (math.isfinite(event.score) and -1.0 <= event.score <= 1.0):
+            return "score: must be in [-1, 1]"
+    elif isinstance(event, ModelVersionEvent) and not all(math.isfinite(v) for v in event.metrics.values()):
+        return "metrics: values must be finite"
+    return None

@@ -1,0 +1,317 @@
+"""Batched, idempotent writes of one batch of decoded events into the feedback tables.
+
+Everything here runs inside the caller's transaction (the one that also advances the consumer
+offsets). Each table is written with one multi-row statement per batch: ``INSERT ... ON CONFLICT
+DO NOTHING RETURNING`` for events (idempotent on the event id, so a producer that resends after a
+failed flush causes no duplicates), then set-based statements keep the derived tables right:
+
+1. completions, then feedback (history: every feedback event is a row);
+2. ``feedback.is_latest`` corrected (only where wrong) for the completions that got new feedback:
+   the newest by the event's own timestamp (ties: event id), so arrival order does not matter;
+3. ``training_examples`` upserted (``INSERT ... SELECT ... ON CONFLICT DO UPDATE``) for every
+   completion touched by the batch that now has both halves; the join runs in the database;
+4. ``pending_feedback`` gains the completions that have feedback but no completion yet, and loses
+   the ones that just joined (feedback that arrived first is joined when its completion arrives);
+5. model-version actions (history) and the per-version summary derived from them.
+
+On PostgreSQL, large batches of completions and feedback are staged with COPY into temporary
+tables and moved with one ``INSERT ... SELECT ... ON CONFLICT`` each, and id lists travel as one
+array parameter (``= ANY(...)``), so no statement grows with the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from realtime_rl import tables as t
+from realtime_rl.database import json_text
+from realtime_rl.events import CompletionEvent, FeedbackEvent, ModelVersionEvent
+from realtime_rl.ingest_decode import CONFLICT, Decoded
+
+_IN_CHUNK = 2000
+"""Ids per ``IN (...)`` list: well inside SQLite's and PostgreSQL's bound-parameter limits."""
+_COPY_MIN_ROWS = 200
+"""Below this many completions a plain multi-row INSERT is as fast as staging with COPY."""
+
+
+@dataclass
+class WriteResult:
+    completions: int = 0
+    feedback: int = 0
+    model_versions: int = 0
+    dead_letters: int = 0
+    duplicates: int = 0
+    joined: int = 0
+    pending: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: WriteResult) -> None:
+        for name in ("completions", "feedback", "model_versions", "dead_letters", "duplicates", "joined", "pending"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for reason, n in other.by_reason.items():
+            self.by_reason[reason] = self.by_reason.get(reason, 0) + n
+
+
+def utc(ts: datetime) -> datetime:
+    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+
+
+def dialect_insert(conn: sa.Connection, table: sa.Table):
+    """INSERT with ON CONFLICT support for the connection's dialect."""
+    return (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(table)
+
+
+def _chunks(conn: sa.Connection, items: Sequence) -> Iterable[Sequence]:
+    """Id lists small enough for one ``IN``; PostgreSQL takes any length as one array parameter."""
+    size = (len(items) or 1) if conn.dialect.name == "postgresql" else _IN_CHUNK
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def dead_letter_row(item: Decoded, now: datetime, max_raw: int, reason: str | None = None,
+                    detail: str | None = None) -> dict[str, Any]:
+    r = item.record
+    return {"topic": r.topic, "partition": r.partition, "offset": r.offset, "key": r.key,
+            "raw": r.value[:max_raw], "raw_size": len(r.value), "reason": reason or item.reason,
+            "detail": (detail or item.detail or "")[:4000], "created_at": now, "replayed_at": None}
+
+
+def _completion_row(e: CompletionEvent, now: datetime) -> dict[str, Any]:
+    return {
+        "completion_id": e.completion_id, "event_id": e.event_id, "caller": e.caller, "model": e.model,
+        "version": e.version, "prompt": e.prompt, "completion": e.completion,
+        "prompt_token_ids": e.prompt_token_ids, "completion_token_ids": e.completion_token_ids,
+        "logprobs": e.logprobs, "sampling_logprobs": e.sampling_logprobs, "expert_ids": e.expert_ids,
+        "sampling": e.sampling.model_dump(mode="json"), "finish_reason": e.finish_reason,
+        "latency_ms": e.latency_ms, "task_bucket": e.task_bucket, "choice_index": e.choice_index,
+        "created_at": utc(e.ts), "ingested_at": now,
+    }
+
+
+def _feedback_row(e: FeedbackEvent, now: datetime) -> dict[str, Any]:
+    return {
+        "event_id": e.event_id, "completion_id": e.completion_id, "caller": e.caller, "version": e.version,
+        "signal": e.signal, "kept_text": e.kept_text, "score": e.score, "comment": e.comment,
+        "created_at": utc(e.ts), "ingested_at": now, "is_latest": False,
+    }
+
+
+def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *, max_raw: int,
+                use_copy: bool = True) -> WriteResult:
+    """Write ``items`` (already decoded; failures carry a reason) inside the open transaction."""
+    result = WriteResult()
+    dead: list[dict[str, Any]] = []
+    completions: dict[str, tuple[Decoded, dict[str, Any]]] = {}
+    feedback: dict[str, dict[str, Any]] = {}
+    versions: dict[str, ModelVersionEvent] = {}
+    seen_events: set[str] = set()
+    for item in items:
+        event = item.event
+        if event is None:
+            dead.append(dead_letter_row(item, now, max_raw))
+            continue
+        if event.event_id in seen_events:
+            result.duplicates += 1
+            continue
+        seen_events.add(event.event_id)
+        if isinstance(event, CompletionEvent):
+            if event.completion_id in completions:
+                dead.append(dead_letter_row(item, now, max_raw, CONFLICT, "completion_id "
+                                            f"{event.completion_id!r} already used by another event in this batch"))
+                continue
+            completions[event.completion_id] = (item, _completion_row(event, now))
+        elif isinstance(event, FeedbackEvent):
+            feedback[event.event_id] = _feedback_row(event, now)
+        else:
+            versions[event.event_id] = event
+
+    new_completion_ids: list[str] = []
+    if completions:
+        new_completion_ids = _bulk_insert(conn, t.completions, [row for _, row in completions.values()],
+                                          t.completions.c.completion_id, use_copy)
+        result.completions = len(new_completion_ids)
+        rejected = set(completions) - set(new_completion_ids)
+        if rejected:
+            dups, conflicts = _classify_rejected(conn, {cid: completions[cid][1]["event_id"] for cid in rejected})
+            result.duplicates += dups
+            for cid, why in conflicts.items():
+                dead.append(dead_letter_row(completions[cid][0], now, max_raw, CONFLICT, why))
+
+    feedback_ids: set[str] = set()
+    if feedback:
+        rows = list(feedback.values())
+        _newest_first_in_batch(rows)
+        inserted = _bulk_insert(conn, t.feedback, rows, t.feedback.c.completion_id, use_copy)
+        result.feedback = len(inserted)
+        result.duplicates += len(feedback) - len(inserted)
+        feedback_ids = set(inserted)
+        _mark_latest(conn, sorted(feedback_ids))
+
+    touched = sorted(set(new_completion_ids) | feedback_ids)
+    joined = _upsert_training_examples(conn, touched, now) if touched else set()
+    result.joined = len(joined)
+    waiting = sorted(feedback_ids - joined)
+    if waiting:
+        stmt = dialect_insert(conn, t.pending_feedback).on_conflict_do_nothing()
+        conn.execute(stmt, [{"completion_id": cid, "first_seen_at": now} for cid in waiting])
+    result.pending = len(waiting)
+    for chunk in _chunks(conn, sorted(joined)):
+        conn.execute(sa.delete(t.pending_feedback).where(_in(conn, t.pending_feedback.c.completion_id, chunk)))
+
+    if versions:
+        result.model_versions = _write_versions(conn, list(versions.values()), now)
+    if dead:
+        conn.execute(sa.insert(t.dead_letters), dead)
+        result.dead_letters = len(dead)
+        for row in dead:
+            result.by_reason[row["reason"]] = result.by_reason.get(row["reason"], 0) + 1
+    return result
+
+
+def _bulk_insert(conn: sa.Connection, table: sa.Table, rows: list[dict[str, Any]], returning: sa.Column,
+                 use_copy: bool) -> list[Any]:
+    """``INSERT ... ON CONFLICT DO NOTHING RETURNING <returning>`` for many rows; the inserted values."""
+    if use_copy and _can_copy(conn) and len(rows) >= _COPY_MIN_ROWS:
+        return _copy_insert(conn, table, rows, returning)
+    stmt = dialect_insert(conn, table).on_conflict_do_nothing().returning(returning)
+    return list(conn.execute(stmt, rows).scalars().all())
+
+
+def _can_copy(conn: sa.Connection) -> bool:
+    return conn.dialect.name == "postgresql" and conn.dialect.driver == "psycopg"
+
+
+def _copy_insert(conn: sa.Connection, table: sa.Table, rows: list[dict[str, Any]], returning: sa.Column) -> list[Any]:
+    """COPY into a temp table emptied at every commit, then one INSERT ... SELECT ... ON CONFLICT.
+
+    Staging avoids rendering (and the driver re-parsing) a statement with one placeholder per value.
+    """
+    columns = list(rows[0])
+    stage = f"rtrl_stage_{table.name}"
+    quoted = ", ".join(f'"{c}"' for c in columns)
+    dbapi_conn = conn.connection
+    if stage not in dbapi_conn.info.setdefault("rtrl_stages", set()):
+        conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
+                             f"SELECT {quoted} FROM {table.name} WITH NO DATA")
+        dbapi_conn.info["rtrl_stages"].add(stage)
+    json_cols = {c for c in columns if isinstance(table.c[c].type, sa.JSON)}
+    cursor = dbapi_conn.driver_connection.cursor()
+    with cursor.copy(f"COPY {stage} ({quoted}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row([json_text(row[c]) if c in json_cols and row[c] is not None else row[c]
+                            for c in columns])
+    result = conn.exec_driver_sql(f"INSERT INTO {table.name} ({quoted}) SELECT {quoted} FROM {stage} "
+                                  f'ON CONFLICT DO NOTHING RETURNING "{returning.name}"')
+    return [r[0] for r in result]
+
+
+def _in(conn: sa.Connection, column: sa.Column, ids: Sequence[str]):
+    """``column IN ids``; on PostgreSQL as ``= ANY(array)``, one parameter however many ids."""
+    if conn.dialect.name == "postgresql":
+        return column == sa.any_(sa.literal(list(ids), postgresql.ARRAY(sa.String)))
+    return column.in_(ids)
+
+
+def _classify_rejected(conn: sa.Connection, wanted: dict[str, str]) -> tuple[int, dict[str, str]]:
+    """Split completions the insert skipped into re-deliveries (same event) and conflicts."""
+    stored: dict[str, str] = {}
+    for chunk in _chunks(conn, sorted(wanted)):
+        q = sa.select(t.completions.c.completion_id, t.completions.c.event_id).where(
+            _in(conn, t.completions.c.completion_id, chunk))
+        stored.update(dict(conn.execute(q).tuples().all()))
+    duplicates, conflicts = 0, {}
+    for cid, event_id in wanted.items():
+        if stored.get(cid) == event_id:
+            duplicates += 1
+        elif cid in stored:
+            conflicts[cid] = f"completion_id {cid!r} already recorded by event {stored[cid]!r}"
+        else:
+            conflicts[cid] = f"event_id {event_id!r} already recorded for another completion"
+    return duplicates, conflicts
+
+
+def _newest_first_in_batch(rows: list[dict[str, Any]]) -> None:
+    """Pre-set ``is_latest`` on the newest row per completion *within* the batch (most are final)."""
+    best: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        cur = best.get(row["completion_id"])
+        if cur is None or (row["created_at"], row["event_id"]) > (cur["created_at"], cur["event_id"]):
+            best[row["completion_id"]] = row
+    for row in best.values():
+        row["is_latest"] = True
+
+
+def _mark_latest(conn: sa.Connection, completion_ids: list[str]) -> None:
+    """Flip ``is_latest`` only where it is wrong, so a completion's single judgement is never rewritten."""
+    f = t.feedback
+    newer = f.alias("newer")
+    latest = (sa.select(newer.c.event_id).where(newer.c.completion_id == f.c.completion_id)
+              .order_by(newer.c.created_at.desc(), newer.c.event_id.desc()).limit(1).scalar_subquery())
+    for chunk in _chunks(conn, completion_ids):
+        conn.execute(sa.update(f).where(_in(conn, f.c.completion_id, chunk), f.c.is_latest != (f.c.event_id == latest))
+                     .values(is_latest=sa.not_(f.c.is_latest)))
+
+
+_EXAMPLE_FROM_COMPLETION = ("completion_id", "version", "model", "caller", "task_bucket", "prompt_token_ids",
+                            "completion_token_ids", "logprobs", "sampling_logprobs", "expert_ids", "sampling")
+_EXAMPLE_FROM_FEEDBACK = ("signal", "kept_text", "score")
+_EXAMPLE_UPDATED = ("signal", "kept_text", "score", "feedback_event_id", "feedback_count", "feedback_at",
+                    "updated_at")
+
+
+def _upsert_training_examples(conn: sa.Connection, completion_ids: list[str], now: datetime) -> set[str]:
+    c, f, te = t.completions, t.feedback, t.training_examples
+    history = f.alias("history")
+    count = (sa.select(sa.func.count()).select_from(history)
+             .where(history.c.completion_id == c.c.completion_id).scalar_subquery())
+    target = [*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback_event_id", "feedback_count",
+              "feedback_at", "completion_at", "updated_at"]
+    joined: set[str] = set()
+    for chunk in _chunks(conn, completion_ids):
+        select = (
+            sa.select(*(c.c[n] for n in _EXAMPLE_FROM_COMPLETION), *(f.c[n] for n in _EXAMPLE_FROM_FEEDBACK),
+                      f.c.event_id, count, f.c.created_at, c.c.created_at,
+                      sa.literal(now, t.Timestamp))
+            .select_from(c.join(f, sa.and_(f.c.completion_id == c.c.completion_id, f.c.is_latest)))
+            .where(_in(conn, c.c.completion_id, chunk))
+        )
+        stmt = dialect_insert(conn, te).from_select(target, select)
+        stmt = stmt.on_conflict_do_update(index_elements=[te.c.completion_id],
+                                          set_={n: stmt.excluded[n] for n in _EXAMPLE_UPDATED})
+        joined.update(conn.execute(stmt.returning(te.c.completion_id)).scalars().all())
+    return joined
+
+
+def _write_versions(conn: sa.Connection, events: list[ModelVersionEvent], now: datetime) -> int:
+    actions = t.model_version_actions
+    rows = [{"event_id": e.event_id, "version": e.version, "model": e.model, "action": e.action,
+             "channel": e.channel, "parent": e.parent, "sha256": e.sha256, "metrics": dict(e.metrics),
+             "created_at": utc(e.ts), "ingested_at": now} for e in events]
+    stmt = dialect_insert(conn, actions).on_conflict_do_nothing().returning(actions.c.version)
+    inserted = conn.execute(stmt, rows).scalars().all()
+    affected = sorted(set(inserted))
+    for version in affected:
+        history = conn.execute(sa.select(actions).where(actions.c.version == version)
+                               .order_by(actions.c.created_at, actions.c.event_id)).mappings().all()
+        last = history[-1]
+        metrics: dict[str, float] = {}
+        for h in history:
+            metrics.update(h["metrics"] or {})
+        summary = {
+            "version": version, "model": last["model"],
+            "parent": next((h["parent"] for h in reversed(history) if h["parent"]), None),
+            "sha256": next((h["sha256"] for h in reversed(history) if h["sha256"]), None),
+            "metrics": metrics, "last_action": last["action"], "last_channel": last["channel"],
+            "created_at": history[0]["created_at"], "updated_at": now,
+        }
+        stmt = dialect_insert(conn, t.model_versions).values(summary)
+        stmt = stmt.on_conflict_do_update(index_elements=[t.model_versions.c.version],
+                                          set_={k: stmt.excluded[k] for k in summary if k != "version"})
+        conn.execute(stmt)
+    return len(inserted)
