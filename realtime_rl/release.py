@@ -40,13 +40,14 @@ from realtime_rl.release_tables import releases, update_runs
 
 
 class RegistryStore:
-    """The registry operations the updater needs (``policy.registry.Registry``)."""
+    """The registry operations the updater needs, on ``policy.registry.Registry``."""
 
     def __init__(self, settings) -> None:
-        from policy.registry import Registry
+        from policy.registry.registry import Registry
 
         self.settings = settings
-        self.registry = Registry(settings.registry.url)
+        r = settings.registry
+        self.registry = Registry(r.url, cache_dir=r.cache_dir, snapshot_every=r.snapshot_every, workers=r.workers)
 
     def production(self) -> str | None:
         return self.registry.channel("production")
@@ -57,17 +58,21 @@ class RegistryStore:
     def materialize(self, version: str) -> Path:
         return Path(self.registry.materialize(version))
 
-    def publish(self, model_dir: Path, *, parent: str | None, metrics: dict[str, float]) -> str:
-        return self.registry.publish(model_dir, parent=parent, stage="realtime", metrics=metrics)
+    def publish(self, model_dir: Path, *, parent: str | None, metrics: dict[str, float],
+                run: str | None = None) -> str:
+        """Atomic and content-addressed: publishing identical weights again returns the same id."""
+        info = self.registry.publish(model_dir, parent=parent, stage="realtime" if parent else "base",
+                                     run=run, metrics=metrics)
+        return info.id
 
     def promote(self, version: str, channel: str) -> None:
-        self.registry.promote(version, channel)
+        self.registry.promote(version, channel, note="rtrl update: release gate passed")
 
-    def clear(self, channel: str) -> None:
-        self.registry.clear_channel(channel)
-
-    def sha256(self, version: str) -> str | None:
-        return None
+    def retire_candidate(self) -> None:
+        """End a canary: point ``candidate`` at production, so the canary share is served production."""
+        prod = self.production()
+        if prod is not None and self.candidate() not in (None, prod):
+            self.registry.promote(prod, "candidate", note="rtrl update: canary ended")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,28 +212,20 @@ def heldout_tasks(settings) -> list:
     return tasks[:n] if n else tasks
 
 
-def heldout_pass_at_1(settings, model, tokenizer, tasks=None, max_new_tokens: int = 16) -> float:
-    """Mean over held-out tasks of the share of ``offline_samples`` samples that pass every hidden test
-    (the unbiased pass@1 estimate), sampled at ``eval.temperature`` with a fixed seed."""
-    from policy.sampling import SamplingParams, generate
-    from realtime_rl.simusers import is_correct
-
-    tasks = tasks if tasks is not None else heldout_tasks(settings)
-    params = SamplingParams(n=settings.release.offline_samples, temperature=settings.eval.temperature,
-                            max_new_tokens=max_new_tokens, stop=["\n"], seed=settings.update.seed + 17)
-    total = 0.0
-    for i in range(0, len(tasks), 32):
-        chunk = tasks[i:i + 32]
-        groups = generate(model, tokenizer, [t.prompt for t in chunk], params)
-        for task, samples in zip(chunk, groups, strict=True):
-            total += sum(is_correct(s.text, task) for s in samples) / len(samples)
-    return total / len(tasks) if tasks else 0.0
-
-
 def default_evaluator(settings, tokenizer) -> Callable[[Any], float]:
-    """Held-out pass@1; candidate and production are scored on the same tasks with the same seed."""
+    """Held-out pass@1 by the offline stage's evaluator (hidden tests in its sandbox); candidate and
+    production are scored on the same tasks with the same seed and sampling settings."""
+    from offline_rl.evaluate import evaluate
+
     tasks = heldout_tasks(settings)
-    return lambda model: heldout_pass_at_1(settings, model, tokenizer, tasks)
+    g = settings.release
+
+    def score(model) -> float:
+        return evaluate(model, tokenizer, tasks, samples=g.offline_samples, k=(1,),
+                        temperature=settings.eval.temperature, max_new_tokens=settings.simusers.max_tokens,
+                        seed=settings.update.seed + 17).pass_at_1
+
+    return score
 
 
 def _resolve_canary(settings, engine, store, run_id: str, started: datetime, production: str, log,
@@ -239,7 +236,7 @@ def _resolve_canary(settings, engine, store, run_id: str, started: datetime, pro
     pending = store.candidate()
     with engine.connect() as conn:
         prev = last_run(conn, ["canary"])
-    if not pending or prev is None or prev["candidate_version"] != pending:
+    if not pending or pending == production or prev is None or prev["candidate_version"] != pending:
         return None
     rows = load_logged(engine, since=prev["data_until"], versions=[pending, production])
     canary = [r.signal == "accept" for r in rows if r.version == pending]
@@ -254,7 +251,7 @@ def _resolve_canary(settings, engine, store, run_id: str, started: datetime, pro
     c_rate = sum(canary) / len(canary)
     p_rate = sum(control) / len(control) if control else 0.0
     metrics = {"canary_accept_rate": c_rate, "production_accept_rate": p_rate, "canary_n": len(canary)}
-    store.clear("candidate")
+    store.retire_candidate()
     if c_rate >= p_rate - g.ope_margin:
         store.promote(pending, "production")
         _emit(producer, settings, version=pending, parent=production, action="promoted", channel="production",
@@ -332,8 +329,8 @@ def cycle_body(settings, engine: sa.Engine, run_id: str, *, force: bool, log, st
                              advantage_mean=sum(adv) / len(adv), baseline_mean=sum(baseline) / len(baseline))
         work = Path(settings.update.work_dir) / run_id
         save_candidate(policy, work)
-        candidate = store.publish(work, parent=production, metrics={k: v for k, v in train_metrics.items()
-                                                                     if isinstance(v, float)})
+        candidate = store.publish(work, parent=production, run=run_id,
+                                  metrics={k: v for k, v in train_metrics.items() if isinstance(v, float)})
         shutil.rmtree(work, ignore_errors=True)
         _emit(producer, settings, version=candidate, parent=production, action="published", channel=None,
               metrics=train_metrics, log=log)

@@ -1,0 +1,120 @@
+"""The update cycle on real tables, the real registry and the embedded bus, with the tiny model:
+gate pass and refusal, idempotent reruns, skip rules, the record shown by `rtrl releases`."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+from typer.testing import CliRunner
+
+from realtime_rl.database import make_engine
+from realtime_rl.release import RegistryStore, list_releases, list_runs
+from realtime_rl.release_tables import baselines
+from realtime_rl.update import run_update_cycle
+from tests.rtrl_update_fixtures import insert_logged, make_world, sqlite_url  # noqa: F401
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def _version_events(settings) -> list[dict]:
+    from realtime_rl.bus import open_consumer
+
+    with open_consumer(settings.bus, "test-reader") as c:
+        topic = settings.bus.versions_topic
+        c.assign({(topic, p): 0 for p in c.partitions(topic)})
+        out = []
+        for _ in range(5):
+            out += [json.loads(r.value) for r in c.poll(0.2)]
+        return out
+
+
+def test_good_update_is_released_then_reruns_are_idempotent(tmp_path, sqlite_url, tiny_model_dir):  # noqa: F811
+    w = make_world(tmp_path, sqlite_url, tiny_model_dir)
+    store = RegistryStore(w.settings)
+    r = run_update_cycle(w.settings, log=_quiet)
+    assert r.status == "released", r.reason
+    assert r.production_version == w.production and r.candidate_version != w.production
+    assert store.production() == r.candidate_version
+    gate = r.gate
+    assert gate["checks"] == {"offline_gate": True, "offline_regression": True, "ope": True}
+    assert gate["ope"]["estimate"] >= gate["production_accept_rate"]
+    assert gate["ope"]["ci"][0] <= gate["ope"]["estimate"] <= gate["ope"]["ci"][1]
+    assert r.metrics["train"]["steps"] > 0 and abs(r.metrics["train"]["mismatch_abs_logp"]) < 1e-3
+
+    events = _version_events(w.settings)
+    assert [(e["action"], e["version"]) for e in events] == [("published", r.candidate_version),
+                                                             ("promoted", r.candidate_version)]
+    assert events[0]["parent"] == w.production and events[1]["channel"] == "production"
+
+    engine = make_engine(w.settings.db)
+    try:
+        rel = list_releases(engine)
+        assert len(rel) == 1 and rel[0]["decision"] == "released" and rel[0]["parent_version"] == w.production
+        with engine.connect() as conn:
+            counts = dict(conn.execute(sa.select(baselines.c.bucket, baselines.c.count)).all())
+        assert sum(counts.values()) == r.n_train
+        # Rerun: the logged data was served by the old version, so the on-policy filter leaves nothing.
+        again = run_update_cycle(w.settings, log=_quiet)
+        assert again.status == "skipped" and store.production() == r.candidate_version
+        assert len(list_releases(engine)) == 1
+        with engine.connect() as conn:
+            assert dict(conn.execute(sa.select(baselines.c.bucket, baselines.c.count)).all()) == counts
+        assert [x["status"] for x in list_runs(engine)] == ["skipped", "released"]
+    finally:
+        engine.dispose()
+
+
+def test_harmful_update_is_refused_and_visible(tmp_path, sqlite_url, tiny_model_dir, monkeypatch):  # noqa: F811
+    # Inverted rewards push probability away from accepted answers: the off-policy check must catch it.
+    w = make_world(tmp_path, sqlite_url, tiny_model_dir, UPDATE__REWARD_ACCEPT=-1.0, UPDATE__REWARD_REJECT=1.0)
+    store = RegistryStore(w.settings)
+    r = run_update_cycle(w.settings, log=_quiet)
+    assert r.status == "refused"
+    assert r.gate["checks"]["ope"] is False and "snips" in r.reason
+    assert r.gate["ope"]["estimate"] < r.gate["production_accept_rate"]
+    assert store.production() == w.production  # production stays
+
+    # Same data again: recorded as skipped, nothing new published or refused twice.
+    again = run_update_cycle(w.settings, log=_quiet)
+    assert again.status == "skipped" and "same data" in again.reason
+
+    from rtrl.cli import app
+
+    for k, v in w.env.items():
+        monkeypatch.setenv(k, v)
+    out = CliRunner().invoke(app, ["releases"])
+    assert out.exit_code == 0, out.output
+    assert "refused" in out.output and r.candidate_version in out.output and "snips" in out.output
+    rows = [json.loads(line) for line in CliRunner().invoke(app, ["releases", "--json"]).output.splitlines()]
+    assert rows[0]["decision"] == "refused" and rows[0]["ope_estimate"] < rows[0]["production_accept_rate"]
+
+
+def test_skip_rules_min_feedback_and_no_production(tmp_path, sqlite_url, tiny_model_dir):  # noqa: F811
+    w = make_world(tmp_path, sqlite_url, tiny_model_dir, SCHEDULE__MIN_FEEDBACK=100000)
+    r = run_update_cycle(w.settings, log=_quiet)
+    assert r.status == "skipped" and "min_feedback" in r.reason
+    forced = run_update_cycle(w.settings, log=_quiet, force=True)
+    assert forced.status in ("released", "refused")
+
+    from tests.rtrl_update_fixtures import make_settings
+
+    empty, _ = make_settings(tmp_path / "empty", f"sqlite:///{tmp_path / 'empty.db'}")
+    (tmp_path / "empty").mkdir()
+    r2 = run_update_cycle(empty, log=_quiet)
+    assert r2.status == "skipped" and "no production" in r2.reason
+
+
+def test_new_feedback_after_release_trains_the_new_version(tmp_path, sqlite_url, tiny_model_dir):  # noqa: F811
+    w = make_world(tmp_path, sqlite_url, tiny_model_dir)
+    store = RegistryStore(w.settings)
+    first = run_update_cycle(w.settings, log=_quiet)
+    assert first.status == "released"
+    insert_logged(w.settings, first.candidate_version, store.materialize(first.candidate_version), seed=1,
+                  start=datetime.now(UTC))
+    second = run_update_cycle(w.settings, log=_quiet)
+    assert second.production_version == first.candidate_version
+    assert second.status in ("released", "refused") and second.n_train > 0
