@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 
+import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
@@ -118,3 +119,17 @@ def test_new_feedback_after_release_trains_the_new_version(tmp_path, sqlite_url,
     second = run_update_cycle(w.settings, log=_quiet)
     assert second.production_version == first.candidate_version
     assert second.status in ("released", "refused") and second.n_train > 0
+
+
+@pytest.mark.postgres
+def test_cycle_on_postgres(tmp_path, postgres_url, tiny_model_dir):
+    w = make_world(tmp_path, postgres_url, tiny_model_dir)
+    r = run_update_cycle(w.settings, log=_quiet)
+    assert r.status == "released", r.reason
+    assert RegistryStore(w.settings).production() == r.candidate_version
+    engine = make_engine(w.settings.db)
+    try:
+        assert [x["decision"] for x in list_releases(engine)] == ["released"]
+    finally:
+        engine.dispose()
+    assert run_update_cycle(w.settings, log=_quiet).status == "skipped"
