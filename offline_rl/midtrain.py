@@ -32,10 +32,27 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float, schedule: st
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+ANSWER_MARK = "return "
+
+
+def doc_ids(tokenizer, doc: str) -> list[int]:
+    """Token ids of a document, with the prompt and the answer tokenized *separately*.
+
+    At inference the prompt ends with ``return `` and the answer is generated after it; tokenized as
+    one string, `` x`` would merge into one token and the model would never learn to continue a
+    prompt that ends in a bare space token."""
+    cut = doc.rfind(ANSWER_MARK)
+    if cut < 0:
+        return tokenizer(doc, add_special_tokens=False)["input_ids"]
+    cut += len(ANSWER_MARK)
+    return (tokenizer(doc[:cut], add_special_tokens=False)["input_ids"]
+            + tokenizer(doc[cut:], add_special_tokens=False)["input_ids"])
+
+
 def lm_batch(tokenizer, docs: list[str]):
     import torch
 
-    ids = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs]
+    ids = [doc_ids(tokenizer, d) for d in docs]
     width = max(len(x) for x in ids)
     input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.bool)

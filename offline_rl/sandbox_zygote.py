@@ -219,15 +219,19 @@ def _sweep(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
-def _reap_orphans() -> None:
-    """As child subreaper the zygote adopts orphaned grandchildren; collect their exit status."""
+def _reap_orphans(deadline_s: float = 1.0) -> None:
+    """As child subreaper the zygote adopts orphaned grandchildren. After the sweep they are all
+    dying; wait for them (bounded) so that no zombie of the program's uid outlives the run."""
+    end = time.monotonic() + deadline_s
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
-            return
+            if time.monotonic() > end:
+                return
+            time.sleep(0.001)
 
 
 def _run(req, base: str, mode: str, uid: int):

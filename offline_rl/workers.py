@@ -80,9 +80,14 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, version, lock, out_q, s
         backend = TorchBackend(policy.model, tok)
     local = -1
     rng = random.Random(cfg.seed * 1_000_003 + cfg.worker_id)
-    n = 0
+    parent = os.getppid()
+
+    def orphaned() -> bool:
+        # The trainer was killed (SIGKILL runs no cleanup): do not outlive it.
+        return os.getppid() != parent
+
     try:
-        while not stop.is_set():
+        while not stop.is_set() and not orphaned():
             if version.value != local:
                 with lock:
                     v = version.value
@@ -95,8 +100,7 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, version, lock, out_q, s
                                  cfg.max_new_tokens, seed=rng.randrange(1 << 30), reward_fn=reward_fn)
             batch = RolloutBatch(version=local, trajectories=trajs, gen_s=time.perf_counter() - t0,
                                  worker=cfg.worker_id, tokens=sum(t.n_policy_tokens for t in trajs))
-            n += 1
-            while not stop.is_set():
+            while not stop.is_set() and not orphaned():
                 try:
                     out_q.put(batch, timeout=0.2)
                     break
