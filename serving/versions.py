@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("serving.versions")
@@ -27,11 +27,25 @@ log = logging.getLogger("serving.versions")
 MANIFEST_NAMES = ("rtrl_version.json", "manifest.json")
 
 
-@dataclass(frozen=True)
 class VersionRef:
-    version: str
-    model_dir: Path
-    channel: str = "production"
+    """A version on a channel; its HF directory is located (e.g. materialised) only when first asked for,
+    so that polling an unchanged channel costs a channel read, not a checksum pass over the weights."""
+
+    def __init__(self, version: str, model_dir: Path | Callable[[], Path], channel: str = "production") -> None:
+        self.version, self.channel = version, channel
+        self._dir = model_dir if isinstance(model_dir, Path) else None
+        self._locate = None if isinstance(model_dir, Path) else model_dir
+        self._lock = threading.Lock()
+
+    @property
+    def model_dir(self) -> Path:
+        with self._lock:
+            if self._dir is None:
+                self._dir = Path(self._locate())
+            return self._dir
+
+    def __repr__(self) -> str:
+        return f"VersionRef({self.version!r}, channel={self.channel!r})"
 
 
 def dir_version(model_dir: str | Path) -> str:
@@ -82,16 +96,19 @@ class RegistrySource:
     """The registry's channels (``policy.registry``); versions are materialised to local directories."""
 
     def __init__(self, settings) -> None:
-        from policy.registry import Registry  # imported lazily: the registry is optional for `source=dir`
+        from policy.registry import Registry  # imported lazily: only this source needs the registry
 
-        self._registry = Registry(settings.registry.url)
+        self._registry = Registry.from_settings(settings.registry)
 
     def current(self, channel: str) -> VersionRef | None:
+        if channel not in self._registry.channel_names:
+            return None
         version = self._registry.channel(channel)
         if version is None:
             return None
-        version = getattr(version, "version", version)
-        return VersionRef(str(version), Path(self._registry.materialize(str(version))), channel)
+        # materialize() verifies every file and tensor checksum: a corrupt version is refused there
+        # and the watcher keeps serving the current one.
+        return VersionRef(version, lambda: self._registry.materialize(version), channel)
 
 
 def open_source(settings):

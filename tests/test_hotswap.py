@@ -141,3 +141,33 @@ def test_plain_directory_version_is_a_content_hash(tmp_path, versions):
     for f in versions[2].glob("*.safetensors"):
         shutil.copy(f, d / f.name)
     assert source.current("production").version not in (v, "v2")
+
+
+def test_serves_the_registry_production_channel_and_follows_promotions(tmp_path, versions):
+    from serving_fixtures import gateway_settings as make
+
+    from policy.registry import Registry
+    from serving.auth import create_api_key
+    from serving.server import GatewayServer
+
+    settings = make(tmp_path, tmp_path / "unused", source="registry", poll_interval_s=0.1)
+    settings.registry = settings.registry.model_copy(update={"url": str(tmp_path / "registry"),
+                                                             "cache_dir": str(tmp_path / "cache")})
+    reg = Registry.from_settings(settings.registry)
+    first = reg.publish(versions[0], stage="init")
+    second = reg.publish(versions[3], parent=first.id, stage="test")
+    reg.promote(first.id, "production")
+    key = create_api_key(settings, "reg-user")
+    with GatewayServer(settings) as server:
+        def model() -> str:
+            r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                           json={"model": "tiny-coder", "prompt": PROMPT, "max_tokens": 2}, timeout=30)
+            return r.json()["model"]
+
+        assert model() == f"tiny-coder@{first.id}"
+        reg.promote(second.id, "production")
+        _wait_for(lambda: server.gateway.engine.versions()["production"] == second.id)
+        assert model() == f"tiny-coder@{second.id}"
+        reg.rollback("production")
+        _wait_for(lambda: server.gateway.engine.versions()["production"] == first.id)
+        assert model() == f"tiny-coder@{first.id}"
