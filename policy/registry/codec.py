@@ -15,7 +15,10 @@ becomes one *frame* in one of four modes:
   on its own: the planes have very different statistics and zstd's Huffman literals code each close
   to its order-0 entropy.
 - ``DENSE``: the zigzag values of every element, byte planes, zstd. Tried only when more than
-  ``dense_probe`` of the chunk changed, and kept only when smaller than ``SPARSE``.
+  ``dense_probe`` (default half) of the chunk changed, and kept only when smaller than ``SPARSE``.
+  The issue's measurement put the crossover near 20% changed; with the narrowed gap stream and
+  the zstd parameters below, sparse stayed smaller on every measured bf16 tensor up to 48% changed,
+  so the probe starts later to save the second encode.
 - ``RAW``: the new bits' byte planes, zstd; used when the parent has no tensor of the same name,
   dtype and shape.
 
@@ -51,7 +54,7 @@ MODE_NAMES = {SAME: "same", SPARSE: "sparse", DENSE: "dense", RAW: "raw"}
 _HEAD = struct.Struct("<4sIQQBBBBQ")
 _CRCS = struct.Struct("<II")
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
-DEFAULT_DENSE_PROBE = 0.2
+DEFAULT_DENSE_PROBE = 0.5
 
 
 class FrameError(ValueError):
@@ -95,9 +98,11 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
         cache = _local.compressors = {}
     if level not in cache:
         if level < 10:
-            # Byte planes of deltas look like noise to a match finder: matches shorter than 7 bytes
-            # cost more than the literals they replace (measured 2-5% smaller output).
-            params = zstandard.ZstdCompressionParameters.from_level(level, min_match=7)
+            # Byte planes of deltas look like noise to a match finder: its matches cost more than the
+            # literals they replace, and its hash table misses cache. A tiny table and long minimum
+            # match leave zstd coding nearly all literals with Huffman: on measured RL deltas 5-10%
+            # smaller and 1.5-2x faster than plain level 1 (within 1.08x of the order-0 bound).
+            params = zstandard.ZstdCompressionParameters.from_level(level, min_match=7, hash_log=6)
         else:
             params = zstandard.ZstdCompressionParameters.from_level(level)
         cache[level] = zstandard.ZstdCompressor(compression_params=params)
@@ -137,11 +142,16 @@ def _join_planes(planes: list[bytes], width: int, n: int) -> np.ndarray:
     return out.reshape(-1).view(UINT[width])
 
 
+def _zigzag_signed(diff: np.ndarray) -> np.ndarray:
+    """Zigzag map of a wrap-around difference held as unsigned bits: 0,-1,1,-2,... -> 0,1,2,3,..."""
+    width = diff.dtype.itemsize
+    d = diff.view(INT[width])
+    return ((d << 1) ^ (d >> (8 * width - 1))).view(UINT[width])
+
+
 def zigzag(new: np.ndarray, base: np.ndarray) -> np.ndarray:
     """Zigzag-mapped wrap-around difference ``new - base`` (unsigned, same width)."""
-    width = new.dtype.itemsize
-    d = (new - base).view(INT[width])  # unsigned subtraction wraps, which is what makes it exact
-    return ((d << 1) ^ (d >> (8 * width - 1))).view(UINT[width])
+    return _zigzag_signed(new - base)  # unsigned subtraction wraps, which is what makes it exact
 
 
 def unzigzag(z: np.ndarray) -> np.ndarray:
@@ -177,13 +187,14 @@ def encode_chunk(index: int, start: int, new: np.ndarray, base: np.ndarray, *, l
                  dense_probe: float = DEFAULT_DENSE_PROBE) -> tuple[bytes, ChunkStats]:
     """One frame for ``new`` against ``base`` (equal-length flat unsigned arrays of one width)."""
     width = new.dtype.itemsize
-    z = zigzag(new, base)
-    changed = np.flatnonzero(z)
+    d = new - base  # wrap-around difference; zigzag-mapped below only where it is nonzero
+    # nonzero() on a bool mask is ~2x faster than on the integers themselves (measured).
+    changed = np.flatnonzero(d != 0)
     nnz = int(changed.size)
     if nnz == 0:
         frame = _frame(index, start, new.size, SAME, width, 0, 0, 0, [])
         return frame, ChunkStats(SAME, int(new.size), 0, len(frame))
-    values = z[changed]
+    values = _zigzag_signed(d[changed])
     value_width = _narrow_width(int(values.max()))
     gaps = np.diff(changed, prepend=-1) - 1  # zero-run length before each changed element
     gap_width = _narrow_width(int(gaps.max()))
@@ -192,7 +203,7 @@ def encode_chunk(index: int, start: int, new: np.ndarray, base: np.ndarray, *, l
     mode = SPARSE
     if nnz > dense_probe * new.size:
         dense = _frame(index, start, new.size, DENSE, width, 0, value_width, nnz,
-                       _compress_all(_planes(z, value_width), level))
+                       _compress_all(_planes(_zigzag_signed(d), value_width), level))
         if len(dense) < len(best):
             best, mode = dense, DENSE
     return best, ChunkStats(mode, int(new.size), nnz, len(best))

@@ -15,12 +15,10 @@ import json
 import os
 from pathlib import Path
 
-import safetensors
-
 from policy.registry.errors import CorruptVersion, PublishError
 from policy.registry.manifest import seal, unseal
-from policy.registry.shards import plan_shards, to_safetensors
-from policy.registry.tensors import TensorBits, from_torch
+from policy.registry.shards import from_safetensors, plan_shards, read_file_writable, to_safetensors
+from policy.registry.tensors import TensorBits
 
 INDEX = "model.safetensors.index.json"
 MARKER = ".rtrl-version.json"
@@ -45,11 +43,14 @@ def read_hf_dir(path: str | Path) -> tuple[dict[str, TensorBits], dict[str, byte
     for f in files:
         if not f.is_file():
             raise PublishError(f"{root}: {f.name} is listed in {INDEX} but missing")
-        with safetensors.safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name in tensors:
-                    raise PublishError(f"{root}: tensor {name} appears in more than one file")
-                tensors[name] = from_torch(name, sf.get_tensor(name), copy=False)
+        try:
+            part = from_safetensors(read_file_writable(f), version=None, file=str(f))
+        except CorruptVersion as err:
+            raise PublishError(str(err)) from None
+        for name, tb in part.items():
+            if name in tensors:
+                raise PublishError(f"{root}: tensor {name} appears in more than one file")
+            tensors[name] = tb
     return tensors, read_aux(root)
 
 

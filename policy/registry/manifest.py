@@ -42,12 +42,12 @@ class TensorEntry(_Model):
 
     @property
     def nbytes(self) -> int:
-        from policy.registry.tensors import DTYPES
+        from policy.registry.tensors import WIDTH
 
         n = 1
         for s in self.shape:
             n *= s
-        return n * DTYPES[self.dtype][1]
+        return n * WIDTH[self.dtype]
 
 
 class FileEntry(_Model):

@@ -25,7 +25,7 @@ from policy.registry.errors import BrokenChain, CorruptVersion, RegistryError, V
 from policy.registry.hf import check_materialized, read_hf_dir, write_hf_dir
 from policy.registry.manifest import Manifest, TensorEntry
 from policy.registry.shards import from_safetensors
-from policy.registry.tensors import DTYPES, UINT, TensorBits
+from policy.registry.tensors import UINT, WIDTH, TensorBits
 from policy.registry.workers import pmap
 
 if TYPE_CHECKING:
@@ -34,13 +34,13 @@ if TYPE_CHECKING:
 State = dict[str, TensorBits]
 
 
-def read_file(reg: Registry, m: Manifest, name: str) -> bytes:
-    """A version's file, its SHA-256 checked against the manifest."""
+def read_file(reg: Registry, m: Manifest, name: str, *, writable: bool = False) -> bytes | bytearray:
+    """A version's file, its SHA-256 checked against the manifest (a bytearray if ``writable``)."""
     entry = next((f for f in m.files if f.name == name), None)
     if entry is None:
         raise CorruptVersion("file is not listed in the manifest", version=m.id, file=name)
     try:
-        data = reg.store.read(f"versions/{m.id}/{name}")
+        data = reg.store.read(f"versions/{m.id}/{name}", writable=writable)
     except FileNotFoundError:
         raise CorruptVersion("file is missing", version=m.id, file=name) from None
     if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
@@ -74,7 +74,7 @@ def read_snapshot(reg: Registry, m: Manifest) -> State:
         by_file[t.file].append(t)
 
     def load(fname: str) -> State:
-        data = read_file(reg, m, fname)
+        data = read_file(reg, m, fname, writable=True)  # decoded in place by the deltas that follow
         tensors = from_safetensors(data, version=m.id, file=fname)
         expected = {t.name for t in by_file[fname]}
         if set(tensors) != expected:
@@ -105,7 +105,7 @@ def apply_delta(reg: Registry, m: Manifest, base: State) -> State:
                                   version=m.id, tensor=t.name)
             out[t.name] = b
         else:
-            width = DTYPES[t.dtype][1]
+            width = WIDTH[t.dtype]
             n = int(np.prod(t.shape, dtype=np.int64)) if t.shape else 1
             out[t.name] = TensorBits(t.dtype, tuple(t.shape), np.empty(n, dtype=UINT[width]))
 

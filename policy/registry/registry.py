@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from policy.registry import channels as channel_ops
 from policy.registry.codec import DEFAULT_CHUNK_ELEMENTS, DEFAULT_DENSE_PROBE, encode_chunk
@@ -26,6 +25,8 @@ from policy.registry.tensors import TensorBits, from_torch, to_torch
 from policy.registry.workers import resolve_workers
 
 if TYPE_CHECKING:
+    import torch
+
     from policy.config import RegistrySettings
 
 State = dict[str, TensorBits]
@@ -97,10 +98,13 @@ Hook = Callable[[RegistryEvent], None]
 class Registry:
     """A model version registry at ``url`` (a directory, or an fsspec URL such as ``s3://bucket/reg``).
 
-    See the package docstring (``policy.registry``) for the full API and guarantees.
+    ``cache_dir`` (a local directory; None disables it) holds materialised HF directories. The other
+    arguments mirror ``RegistrySettings``. See the package docstring (``policy.registry``) for the
+    full API and guarantees.
     """
 
-    def __init__(self, url: str | os.PathLike[str] = "var/registry", *, cache_dir: str | os.PathLike[str] | None = None,
+    def __init__(self, url: str | os.PathLike[str] = "var/registry", *,
+                 cache_dir: str | os.PathLike[str] | None = "var/cache/materialized",
                  snapshot_every: int = 10, shard_mb: float = 256, workers: int = 0, zstd_level: int = 1,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, dense_probe: float = DEFAULT_DENSE_PROBE,
                  channels: Iterable[str] = DEFAULT_CHANNELS, rollback_depth: int = 10, keep_last: int = 5,
@@ -137,7 +141,7 @@ class Registry:
             "channels": settings.channels,
         }
         kw.update(overrides)
-        return cls(settings.url, **kw)
+        return cls(kw.pop("url", settings.url), **kw)
 
     # ---------------------------------------------------------------- lookup
 

@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+from policy.registry.shards import read_file_writable
+
 MANIFEST = "manifest.json"
 
 
@@ -55,7 +57,7 @@ class Staging(Protocol):
 class Store(Protocol):
     url: str
 
-    def read(self, path: str) -> bytes: ...
+    def read(self, path: str, *, writable: bool = False) -> bytes | bytearray: ...
 
     def exists(self, path: str) -> bool: ...
 
@@ -205,7 +207,9 @@ class LocalStore:
     def path(self, rel: str) -> Path:
         return self.root / rel
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, *, writable: bool = False) -> bytes | bytearray:
+        if writable:
+            return read_file_writable(self.root / path)
         return (self.root / path).read_bytes()
 
     def exists(self, path: str) -> bool:
@@ -289,8 +293,9 @@ class FsspecStore:
     def _p(self, rel: str) -> str:
         return f"{self.root}/{rel}"
 
-    def read(self, path: str) -> bytes:
-        return self.fs.cat_file(self._p(path))
+    def read(self, path: str, *, writable: bool = False) -> bytes | bytearray:
+        data = self.fs.cat_file(self._p(path))
+        return bytearray(data) if writable else data
 
     def exists(self, path: str) -> bool:
         return self.fs.exists(self._p(path))

@@ -10,39 +10,49 @@ from __future__ import annotations
 import hashlib
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from policy.registry.errors import PublishError
+
+if TYPE_CHECKING:
+    import torch
 
 if sys.byteorder != "little":  # safetensors is little-endian; the bit views below assume the same
     raise ImportError("policy.registry needs a little-endian machine")
 
-# safetensors dtype name -> (torch dtype, element width in bytes)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
+# safetensors dtype name -> (torch dtype attribute, element width in bytes). torch is imported only
+# where tensors cross the API (publish from / load into a state dict): listing, verifying and
+# materialising work on numpy bits alone and start fast.
+DTYPE_SPECS: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
 }
-for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
-    if hasattr(torch, _attr):
-        DTYPES[_name] = (getattr(torch, _attr), 1)
-
-TORCH_TO_NAME: dict[torch.dtype, str] = {dt: name for name, (dt, _) in DTYPES.items()}
+WIDTH: dict[str, int] = {name: width for name, (_, width) in DTYPE_SPECS.items()}
 UINT: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
                              8: np.dtype(np.uint64)}
 INT: dict[int, np.dtype] = {1: np.dtype(np.int8), 2: np.dtype(np.int16), 4: np.dtype(np.int32),
                             8: np.dtype(np.int64)}
-# torch has no unsigned 16/32/64 views everywhere; view through the signed type, then numpy-view as unsigned
-_TORCH_INT: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _torch_tables():
+    import torch
+
+    to_name = {getattr(torch, attr): name for name, (attr, _) in DTYPE_SPECS.items() if hasattr(torch, attr)}
+    # torch lacks unsigned 16/32/64 views on some versions: view through the signed type instead
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return torch, to_name, ints
 
 
 @dataclass
@@ -55,7 +65,7 @@ class TensorBits:
 
     @property
     def width(self) -> int:
-        return DTYPES[self.dtype][1]
+        return WIDTH[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -70,16 +80,17 @@ class TensorBits:
 
 def from_torch(name: str, tensor: torch.Tensor, *, copy: bool) -> TensorBits:
     """The bits of ``tensor`` (on CPU). ``copy=False`` may share memory with the caller's tensor."""
-    if tensor.dtype not in TORCH_TO_NAME:
+    _, to_name, ints = _torch_tables()
+    if tensor.dtype not in to_name:
         raise PublishError(f"tensor {name}: dtype {tensor.dtype} is not supported by the registry")
-    dtype = TORCH_TO_NAME[tensor.dtype]
-    width = DTYPES[dtype][1]
+    dtype = to_name[tensor.dtype]
+    width = WIDTH[dtype]
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
         copy = False  # already a fresh buffer
     t = t.contiguous().reshape(-1)
-    bits = t.view(_TORCH_INT[width]).numpy().view(UINT[width])
+    bits = t.view(ints[width]).numpy().view(UINT[width])
     if copy:
         bits = bits.copy()
     return TensorBits(dtype, tuple(int(s) for s in tensor.shape), bits)
@@ -87,18 +98,19 @@ def from_torch(name: str, tensor: torch.Tensor, *, copy: bool) -> TensorBits:
 
 def to_torch(tb: TensorBits) -> torch.Tensor:
     """A torch tensor of the stored dtype sharing ``tb.bits``' memory."""
-    torch_dtype, width = DTYPES[tb.dtype]
+    torch, _, _ = _torch_tables()
+    attr, width = DTYPE_SPECS[tb.dtype]
     flat = torch.from_numpy(tb.bits.view(INT[width]) if width > 1 else tb.bits)
-    return flat.view(torch_dtype).reshape(tb.shape)
+    return flat.view(getattr(torch, attr)).reshape(tb.shape)
 
 
-def from_buffer(dtype: str, shape: tuple[int, ...], buffer, *, tensor: str = "?") -> TensorBits:
-    """Bits over a bytes-like buffer (read-only view; no copy)."""
-    if dtype not in DTYPES:
+def from_buffer(dtype: str, shape: tuple[int, ...], buffer, offset: int = 0, *, tensor: str = "?") -> TensorBits:
+    """Bits over a bytes-like buffer: no copy; writable if the buffer is (a bytearray)."""
+    if dtype not in WIDTH:
         raise PublishError(f"tensor {tensor}: dtype {dtype} is not supported by the registry")
-    width = DTYPES[dtype][1]
-    bits = np.frombuffer(buffer, dtype=UINT[width])
-    expected = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if bits.size != expected:
-        raise ValueError(f"tensor {tensor}: {bits.size} elements where shape {list(shape)} needs {expected}")
-    return TensorBits(dtype, tuple(shape), bits)
+    width = WIDTH[dtype]
+    count = 1
+    for s in shape:
+        count *= int(s)
+    bits = np.frombuffer(buffer, dtype=UINT[width], count=count, offset=offset)
+    return TensorBits(dtype, tuple(int(s) for s in shape), bits)
