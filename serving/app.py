@@ -157,7 +157,13 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         return key_id
 
     def encode(text: str) -> list[int]:
-        return gw.engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        tok = gw.engine.tokenizer
+        # The Rust tokenizer directly: same ids as tokenizer(text, add_special_tokens=False), ~15x less
+        # Python overhead (the test suite checks the ids against the transformers call).
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
+        return tok(text, add_special_tokens=False)["input_ids"]
 
     def prompt_rows(req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         p = req.prompt

@@ -34,7 +34,14 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"invalid option: {err}", err=True)
                 raise typer.Exit(2) from None
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        serve_forever(settings)
+        from policy.loading import ModelLoadError
+        from serving.gateway import NothingToServe
+
+        try:
+            serve_forever(settings)
+        except (NothingToServe, ModelLoadError) as err:
+            typer.echo(f"cannot serve: {err}", err=True)
+            raise typer.Exit(1) from None
 
     @keys_app.command("add")
     def keys_add(

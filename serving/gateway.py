@@ -24,6 +24,10 @@ class UnknownModel(LookupError):
     pass
 
 
+class NothingToServe(RuntimeError):
+    """No production version: the registry channel is empty and model.dir holds no model."""
+
+
 def canary_bucket(key_id: str) -> float:
     """A caller's stable position in [0, 1): the same key always lands on the same side of the split."""
     return int.from_bytes(hashlib.sha256(f"canary:{key_id}".encode()).digest()[:8], "big") / 2**64
@@ -62,9 +66,15 @@ class Gateway:
     def start(self) -> None:
         """Load the production version (blocking), then start the watcher and the event sender."""
         self.emitter.start()
-        swaps = self.watcher.sync()
+        try:
+            swaps = self.watcher.sync()
+        except BaseException:
+            self.stop()
+            raise
         if PRODUCTION not in self.engine.versions():
-            raise RuntimeError("no production version to serve (registry channel empty or model.dir missing)")
+            self.stop()
+            raise NothingToServe(f"no production version to serve (source {type(self.source).__name__}: registry "
+                                 f"channel empty or {self.settings.model.dir} missing; `rtrl init-model` builds one)")
         log.info("gateway serving %s", ", ".join(f"{c}={v}" for c, v, _ in swaps))
         self.watcher.start()
         self.started = True

@@ -1,0 +1,237 @@
+"""`rtrl bench gateway`: what the gateway adds on top of the engine, throughput, and hot-swap cost.
+
+Phases (all over loopback HTTP with keep-alive `httpx` clients, on temporary keys/bus/spill paths):
+
+1. **Overhead, paired.** Sequentially, request *i* is run once directly on the engine
+   (``engine.generate_now``: the same micro-batcher, no HTTP) and once through the gateway with the
+   same prompt, seed and max_tokens (so the same tokens are generated). ``overhead_i`` = gateway
+   latency - direct latency; p50/p99 over i. This includes the HTTP client and server stack.
+   ``server_overhead_*`` is the gateway's own time outside the engine as measured inside the
+   handler (auth, parsing, tokenising, token signing, event emit, serialising), from the
+   ``x-rtrl-overhead-ms`` header.
+2. **Throughput.** ``concurrency`` clients for a fixed time: requests/s and latency through the
+   gateway, next to the same load run directly on the engine.
+3. **Swaps under load.** ``concurrency`` clients run while the served directory (a symlink) is
+   repointed 5 times to differently perturbed weights; the watcher picks each up and swaps between
+   batches. Reported: each swap's serving pause (time the engine worker spent installing the new
+   weights, during which nothing is generated) and every request that did not return 200.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PROMPT = "# f(0)=7 f(1)=15 f(2)=23 f(8)=71\ndef f(x): return "
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _versions(base: Path, out: Path, count: int) -> list[Path]:
+    import torch
+
+    from policy.loading import load_model
+
+    dirs = []
+    for i in range(count):
+        d = out / f"v{i}"
+        d.mkdir(parents=True)
+        for f in base.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors"):
+                shutil.copy(f, d / f.name)
+        model = load_model(base)
+        gen = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01 * (p.std() if p.numel() > 1 else 1.0))
+        model.save_pretrained(d, safe_serialization=True)
+        (d / "rtrl_version.json").write_text(json.dumps({"version": f"bench-v{i}"}))
+        dirs.append(d)
+    return dirs
+
+
+def _point(link: Path, target: Path) -> None:
+    tmp = link.with_name(link.name + ".new")
+    if tmp.is_symlink():
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def run(settings, quick: bool, log) -> dict:
+    import httpx
+    from tqdm import tqdm
+
+    from policy.sampling import SamplingParams
+    from serving.auth import create_api_key
+    from serving.server import GatewayServer
+
+    max_tokens = 8
+    n_paired = 60 if quick else 300
+    duration_s = 3.0 if quick else 10.0
+    concurrency = 4 if quick else 8
+    work = Path(tempfile.mkdtemp(prefix="rtrl-bench-gateway-"))
+    try:
+        base = Path(settings.model.dir)
+        if not (base / "config.json").is_file():
+            from policy.tiny import build_tiny_model
+
+            log(f"{base} has no model; building the tiny default in {work}")
+            base = build_tiny_model(work / "tiny", settings.tiny)
+        log("writing 6 model versions for the swap phase")
+        versions = _versions(base, work / "versions", 6)
+        link = work / "current"
+        _point(link, versions[0])
+        s = settings.model_copy(deep=True)
+        s.model = s.model.model_copy(update={"dir": str(link)})
+        s.serving = s.serving.model_copy(update={
+            "source": "dir", "poll_interval_s": 0.1, "api_keys_file": str(work / "keys.json"),
+            "spill_dir": str(work / "spill"), "canary_share": 0.0, "rate_limit_rps": 1e6,
+            "rate_limit_burst": 1_000_000})
+        s.bus = s.bus.model_copy(update={"backend": "embedded", "embedded_path": str(work / "bus" / "events.db"),
+                                         "embedded_synchronous": "NORMAL"})
+        key = create_api_key(s, "bench")
+        server = GatewayServer(s).start()
+        gw = server.gateway
+        engine = gw.engine
+        ids = engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+        headers = {"Authorization": f"Bearer {key}"}
+
+        def body(seed: int) -> dict:
+            return {"model": s.model.name, "prompt": PROMPT, "max_tokens": max_tokens, "seed": seed}
+
+        def direct(seed: int) -> None:
+            engine.generate_now([ids], [SamplingParams(max_new_tokens=max_tokens, seed=seed)], timeout=60)
+
+        try:
+            # 1. Paired overhead.
+            overhead, server_side, direct_ms, gateway_ms = [], [], [], []
+            with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+                for i in range(5):  # warm up both paths
+                    direct(i)
+                    http.post("/v1/completions", json=body(i))
+                for i in tqdm(range(n_paired), desc="paired overhead", disable=None):
+                    t0 = time.perf_counter()
+                    direct(10_000 + i)
+                    t1 = time.perf_counter()
+                    r = http.post("/v1/completions", json=body(10_000 + i))
+                    t2 = time.perf_counter()
+                    r.raise_for_status()
+                    direct_ms.append((t1 - t0) * 1000)
+                    gateway_ms.append((t2 - t1) * 1000)
+                    overhead.append(gateway_ms[-1] - direct_ms[-1])
+                    server_side.append(float(r.headers["x-rtrl-overhead-ms"]))
+            log(f"overhead p50 {_pct(overhead, .5):.2f} ms (server-side {_pct(server_side, .5):.3f} ms); "
+                f"direct p50 {_pct(direct_ms, .5):.1f} ms")
+
+            # 2. Throughput: gateway, then the engine directly, same concurrency.
+            def load(fn, seconds: float, errors: list, lat: list, stop: threading.Event | None = None):
+                end = time.monotonic() + seconds
+
+                def worker(w: int) -> None:
+                    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+                        i = 0
+                        while (stop is None and time.monotonic() < end) or (stop is not None and not stop.is_set()):
+                            i += 1
+                            t0 = time.perf_counter()
+                            try:
+                                ok, why = fn(http, w * 1_000_000 + i), "non-200 status"
+                            except Exception as err:  # noqa: BLE001 - every failure is counted
+                                ok, why = False, repr(err)
+                            if ok:
+                                lat.append((time.perf_counter() - t0) * 1000)
+                            else:
+                                errors.append(why)
+
+                threads = [threading.Thread(target=worker, args=(w,)) for w in range(concurrency)]
+                for t in threads:
+                    t.start()
+                return threads
+
+            def via_gateway(http, seed):
+                return http.post("/v1/completions", json=body(seed)).status_code == 200
+
+            def via_engine(http, seed):
+                direct(seed)
+                return True
+
+            results = {}
+            for name, fn in (("gateway", via_gateway), ("direct", via_engine)):
+                errors: list = []
+                lat: list = []
+                t0 = time.perf_counter()
+                for t in load(fn, duration_s, errors, lat):
+                    t.join()
+                elapsed = time.perf_counter() - t0
+                results[name] = {"rps": len(lat) / elapsed, "p50": _pct(lat, .5), "p99": _pct(lat, .99),
+                                 "errors": len(errors)}
+                log(f"{name}: {results[name]['rps']:.1f} req/s, p50 {results[name]['p50']:.1f} ms, "
+                    f"p99 {results[name]['p99']:.1f} ms at concurrency {concurrency}")
+
+            # 3. Five swaps under load.
+            errors, lat = [], []
+            stop = threading.Event()
+            pauses_before = len(engine.swap_pauses_s)
+            threads = load(via_gateway, 0, errors, lat, stop)
+            time.sleep(0.5)
+            swap_wall = []
+            for k in tqdm(range(1, 6), desc="swaps under load", disable=None):
+                t0 = time.perf_counter()
+                _point(link, versions[k])
+                deadline = time.monotonic() + 60
+                while engine.versions().get("production") != f"bench-v{k}":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"swap to bench-v{k} not seen within 60 s: {gw.watcher.last_error}")
+                    time.sleep(0.005)
+                swap_wall.append(time.perf_counter() - t0)
+                time.sleep(0.5)
+            stop.set()
+            for t in threads:
+                t.join()
+            pauses = [p * 1000 for p in engine.swap_pauses_s[pauses_before:]]
+            events_pending = gw.emitter.pending
+            log(f"swap pauses (ms): {', '.join(f'{p:.2f}' for p in pauses)}; failed requests: {len(errors)}")
+        finally:
+            server.stop()
+        return {
+            "engine": s.serving.engine,
+            "model_dir": str(base),
+            "max_tokens": max_tokens,
+            "batch_window_ms": s.serving.batch_window_ms,
+            "paired_requests": n_paired,
+            "overhead_p50_ms": round(_pct(overhead, .5), 3),
+            "overhead_p99_ms": round(_pct(overhead, .99), 3),
+            "overhead_mean_ms": round(statistics.fmean(overhead), 3),
+            "server_overhead_p50_ms": round(_pct(server_side, .5), 3),
+            "server_overhead_p99_ms": round(_pct(server_side, .99), 3),
+            "direct_latency_p50_ms": round(_pct(direct_ms, .5), 2),
+            "gateway_latency_p50_ms": round(_pct(gateway_ms, .5), 2),
+            "concurrency": concurrency,
+            "rps": round(results["gateway"]["rps"], 1),
+            "rps_direct": round(results["direct"]["rps"], 1),
+            "latency_p50_ms": round(results["gateway"]["p50"], 2),
+            "latency_p99_ms": round(results["gateway"]["p99"], 2),
+            "errors_during_throughput": results["gateway"]["errors"],
+            "swaps": len(pauses),
+            "swap_pause_ms_max": round(max(pauses), 3) if pauses else None,
+            "swap_pause_ms": [round(p, 3) for p in pauses],
+            "swap_detect_and_load_s_max": round(max(swap_wall), 3),
+            "requests_during_swaps": len(lat) + len(errors),
+            "failed_requests_during_swaps": len(errors),
+            "events_pending_at_stop": events_pending,
+            "goals": {"overhead_p50_ms": 1.0, "overhead_p99_ms": 5.0, "swap_pause_ms_max": 50.0,
+                      "failed_requests_during_swaps": 0},
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
