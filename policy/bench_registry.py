@@ -56,6 +56,20 @@ def _model(quick: bool, seed: int):
     return LlamaForCausalLM(cfg), cfg
 
 
+def _rl_step(model, opt, vocab_size: int, gen) -> None:
+    """One simulated policy-gradient step: -(A * log p(tokens)) on random sequences, random advantages."""
+    import torch
+
+    ids = torch.randint(0, vocab_size, (4, 64), generator=gen)
+    logits = model(ids).logits[:, :-1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    advantages = torch.randn(4, 1, generator=gen)
+    loss = -(advantages * logp).mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
 def _bf16_bits(model) -> dict[str, Any]:
     import torch
 
@@ -165,15 +179,8 @@ def run(settings, quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
                     p.copy_(base[n])
             opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
 
-            def step() -> None:
-                ids = torch.randint(0, cfg.vocab_size, (4, 64), generator=gen)
-                logits = model(ids).logits[:, :-1]
-                logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-                advantages = torch.randn(4, 1, generator=gen)
-                loss = -(advantages * logp).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+            def step(opt=opt) -> None:
+                _rl_step(model, opt, cfg.vocab_size, gen)
 
             for _ in range(WARMUP):
                 step()
