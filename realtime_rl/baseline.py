@@ -88,13 +88,14 @@ def value_head_advantages(model, examples: Sequence[TrainingExample], l2: float 
         raise ValueError("the value-head baseline needs at least 4 examples")
     prompts = [e.example.prompt_token_ids for e in examples]
     feats = []
+    dev = next(model.parameters()).device
     with torch.no_grad():
         for i in range(0, len(prompts), 64):
             chunk = prompts[i:i + 64]
             ids, attn, pos, _, _ = pad_batch(chunk, [[] for _ in chunk], pad_token_id)
-            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, output_hidden_states=True,
-                        use_cache=False)
-            feats.append(out.hidden_states[-1][:, -1, :].float())  # prompts are left-padded
+            out = model(input_ids=ids.to(dev), attention_mask=attn.to(dev), position_ids=pos.to(dev),
+                        output_hidden_states=True, use_cache=False)
+            feats.append(out.hidden_states[-1][:, -1, :].float().cpu())  # prompts are left-padded
     x = torch.cat(feats)
     x = torch.cat([x, torch.ones(len(x), 1)], dim=1)
     r = torch.tensor([e.reward for e in examples], dtype=torch.float32)

@@ -67,6 +67,21 @@ def _base_model(settings, root: Path, log) -> Path:
     return Path(settings.model.dir)
 
 
+class _RegistryChannels:
+    """The gateway's version source, on the bench's own registry (``Gateway(source=...)``)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def current(self, channel: str):
+        from serving.versions import VersionRef
+
+        version = self.store.registry.channel(channel)
+        if version is None:
+            return None
+        return VersionRef(str(version), self.store.materialize(str(version)), channel)
+
+
 def _wait_for_version(base_url: str, key: str, model: str, version: str, timeout_s: float = 120.0) -> bool:
     from openai import OpenAI
 
@@ -83,13 +98,34 @@ def _wait_for_version(base_url: str, key: str, model: str, version: str, timeout
     return False
 
 
-def _drain(ingester, log, idle_polls: int = 3) -> int:
+def _drain(ingester, expected_feedback: int, timeout_s: float = 20.0) -> int:
+    """Ingest until the bus is idle and every judgement sent so far is in the tables: joined into
+    ``training_examples``, or parked in ``pending_feedback`` because its completion event was
+    dead-lettered (e.g. a random model's text with a NUL character)."""
+    import sqlalchemy as sa
+
+    from realtime_rl.tables import pending_feedback, training_examples
+
     total, idle = 0, 0
-    while idle < idle_polls:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         n = ingester.run_once()
         total += n
         idle = idle + 1 if n == 0 else 0
-    return total
+        if idle >= 2:
+            with ingester.engine.connect() as conn:
+                have = sum(conn.execute(sa.select(sa.func.count()).select_from(tb)).scalar()
+                           for tb in (training_examples, pending_feedback))
+            if have >= expected_feedback:
+                return total
+    from realtime_rl import tables as t
+
+    with ingester.engine.connect() as conn:
+        counts = {tb.name: conn.execute(sa.select(sa.func.count()).select_from(tb)).scalar()
+                  for tb in (t.completions, t.feedback, t.pending_feedback, t.training_examples, t.dead_letters)}
+        dead = conn.execute(sa.select(t.dead_letters.c.reason, t.dead_letters.c.detail).limit(3)).all()
+    raise RuntimeError(f"ingest did not catch up within {timeout_s} s ({expected_feedback} judgements "
+                       f"expected; rows {counts}; dead letters {dead})")
 
 
 def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycles: int | None = None,
@@ -103,6 +139,7 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
     from realtime_rl.release import RegistryStore, default_evaluator
     from realtime_rl.simusers import make_population, register_keys, run_traffic
     from realtime_rl.update import run_update_cycle
+    from serving.gateway import Gateway
     from serving.server import GatewayServer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -147,8 +184,9 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
                                                           "decision": "base"}}
     order = [base_version]
     cycles_out = []
+    sent = 0
     ingester = Ingester(s, log_fn=lambda m: None)
-    server = GatewayServer(s).start()
+    server = GatewayServer(s, gateway=Gateway(s, source=_RegistryChannels(store))).start()
     try:
         for k in range(K + 1):
             tc = time.perf_counter()
@@ -171,7 +209,8 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
                                    "traffic_s": round(t_traffic, 1)})
                 break
             t1 = time.perf_counter()
-            n_ingested = _drain(ingester, log)
+            sent += stats.requests - stats.feedback_errors
+            n_ingested = _drain(ingester, sent)
             t_ingest = time.perf_counter() - t1
             t2 = time.perf_counter()
             result = run_update_cycle(s, force=True, log=log, store=store, evaluator=evaluator)
@@ -191,7 +230,8 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
                     if not _wait_for_version(server.url, users[0].api_key, s.model.name, result.candidate_version):
                         raise RuntimeError(f"the gateway did not switch to {result.candidate_version}")
             cycles_out.append({"cycle": k, "served": prod, "accept_rate": stats.accept_rate(),
-                               "ingested": n_ingested, "status": result.status,
+                               "requests": stats.requests, "request_errors": stats.errors,
+                               "feedback_errors": stats.feedback_errors, "ingested": n_ingested, "status": result.status,
                                "candidate": result.candidate_version, "traffic_s": round(t_traffic, 1),
                                "ingest_s": round(t_ingest, 1), "update_s": round(t_update, 1),
                                "cycle_s": round(time.perf_counter() - tc, 1),

@@ -132,7 +132,8 @@ def accept_rate_ci(accepts: Sequence[bool], level: float = 0.95) -> tuple[float,
     d = 1 + z * z / n
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (c - h, c + h)
+    # At p = 0 or 1 the bound is exactly 0 or 1 (rounding would otherwise leave it a hair inside).
+    return (0.0 if p == 0 else max(0.0, c - h), 1.0 if p == 1 else min(1.0, c + h))
 
 
 def _tempered_logprobs(model, prompts, completions, temperatures, pad_token_id: int = 0):
@@ -142,11 +143,13 @@ def _tempered_logprobs(model, prompts, completions, temperatures, pad_token_id: 
     from policy.logprobs import pad_batch
 
     ids, attn, pos, cmask, P = pad_batch(prompts, completions, pad_token_id)
+    dev = next(model.parameters()).device
+    ids, attn, pos, cmask = ids.to(dev), attn.to(dev), pos.to(dev), cmask.to(dev)
     C = cmask.shape[1]
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
         logits = logits[:, P - 1:P - 1 + C, :].float()
-        t = torch.tensor(temperatures, dtype=torch.float32).clamp_min(1e-6).view(-1, 1, 1)
+        t = torch.tensor(temperatures, dtype=torch.float32, device=dev).clamp_min(1e-6).view(-1, 1, 1)
         lp = (logits / t).log_softmax(-1).gather(-1, ids[:, P:P + C].unsqueeze(-1)).squeeze(-1)
     return lp.masked_fill(~cmask, 0.0)
 

@@ -43,7 +43,7 @@ class RegistryStore:
     """The registry operations the updater needs, on ``policy.registry.Registry``."""
 
     def __init__(self, settings) -> None:
-        from policy.registry.registry import Registry
+        from policy.registry import Registry
 
         self.settings = settings
         r = settings.registry
@@ -316,6 +316,11 @@ def cycle_body(settings, engine: sa.Engine, run_id: str, *, force: bool, log, st
         if not ds.train:
             row = {**base, "status": "skipped", "reason": "no training examples after filtering",
                    "metrics": {"dataset": ds.stats.as_dict()}}
+            return _finish(engine, row, None, None, CycleResult)
+
+        if max(abs(e.reward - ds.train[0].reward) for e in ds.train) == 0:
+            row = {**base, "status": "skipped", "reason": "no learning signal: every training example has the "
+                   f"same reward {ds.train[0].reward}", "metrics": {"dataset": ds.stats.as_dict()}}
             return _finish(engine, row, None, None, CycleResult)
 
         log(f"update {run_id}: {len(ds.train)} train / {len(ds.heldout)} held-out examples from {production}")

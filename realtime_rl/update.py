@@ -109,8 +109,8 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
         tl = sequence_logprobs(model, prompts[sl], comps[sl], pad_token_id=pad_token_id)
         n = tl.mask.sum(1).tolist()
         ref_all += [row[:k] for row, k in zip(tl.logprobs.tolist(), n, strict=True)]
-        mm = mismatch_metrics(tl.logprobs, _pad([e.example.logprobs for e in examples[sl]], tl.mask.shape[1]),
-                              tl.mask)
+        logged = _pad([e.example.logprobs for e in examples[sl]], tl.mask.shape[1]).to(tl.logprobs.device)
+        mm = mismatch_metrics(tl.logprobs, logged, tl.mask)
         w = len(n) / len(examples)
         for k in mismatch:
             mismatch[k] += w * mm[k]
@@ -128,10 +128,10 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
             idx = order[i:i + cfg.minibatch_size]
             tl = sequence_logprobs(model, [prompts[j] for j in idx], [comps[j] for j in idx], grad=True,
                                    pad_token_id=pad_token_id)
-            width = tl.mask.shape[1]
-            mu = _pad([mu_all[j] for j in idx], width)
-            ref = _pad([ref_all[j] for j in idx], width) if cfg.kl_coef else None
-            adv = torch.tensor([advantages[j] for j in idx], dtype=torch.float32)
+            width, dev = tl.mask.shape[1], tl.logprobs.device
+            mu = _pad([mu_all[j] for j in idx], width).to(dev)
+            ref = _pad([ref_all[j] for j in idx], width).to(dev) if cfg.kl_coef else None
+            adv = torch.tensor([advantages[j] for j in idx], dtype=torch.float32, device=dev)
             loss, m = reinforce_loss(tl.logprobs, mu, adv, tl.mask, clip=cfg.clip, tis_cap=cfg.tis_cap,
                                      level=cfg.is_level, ref_logp=ref, kl_coef=cfg.kl_coef)
             opt.zero_grad(set_to_none=True)
@@ -140,7 +140,7 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
             opt.step()
             steps += 1
             with torch.no_grad():
-                refk = _pad([ref_all[j] for j in idx], width)
+                refk = _pad([ref_all[j] for j in idx], width).to(dev)
                 m["kl_to_serving_k3"] = masked_mean(torch.exp(refk - tl.logprobs) - (refk - tl.logprobs) - 1,
                                                     tl.mask).item()
             m.update(loss=float(loss.item()), grad_norm=float(gn))
