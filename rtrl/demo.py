@@ -1,0 +1,415 @@
+"""`rtrl demo`: the whole lifecycle on one machine, on the configured (by default embedded) parts.
+
+Stages, each resumable (a finished stage is recorded in ``var/demo/state.json`` and skipped on the
+next run; an interrupted one starts again):
+
+1. ``model``     build the tiny default model (``rtrl init-model``) unless ``model.dir`` holds one;
+2. ``midtrain``  next-token training on the synthetic corpus: capable, still below the gate;
+3. ``grpo``      offline GRPO in the sandboxed environment until held-out pass@1 passes
+                 ``eval.gate_threshold``; that checkpoint is published to the registry and promoted
+                 to ``production`` (version 1);
+4. ``online``    start the gateway (serving ``production``), the ingester and the update scheduler,
+                 in background threads; simulated users send completions with the official
+                 ``openai`` client and feedback through ``/v1/feedback``; the scheduler's cycles
+                 train candidates, gate them, and promote the ones that pass; the gateway hot-swaps
+                 them in. The stage ends after ``releases`` real-time releases (or its time budget);
+5. ``report``    ``var/report/index.html`` with the plots, and a summary table in the terminal.
+
+This module only orchestrates: every computation happens in the package that owns it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from rtrl.config import Settings
+
+STAGES = ("model", "midtrain", "grpo", "online", "report")
+
+
+class DemoError(RuntimeError):
+    """A stage did not reach its outcome; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """Sizes of one demo run. ``fast`` is the CI path; the default fits ~15 minutes on 2 cores."""
+
+    offline_preset: str | None
+    releases: int
+    online_budget_s: float
+    update_interval: str
+    min_feedback: int
+    traffic_chunk: int
+    final_requests: int
+
+    @staticmethod
+    def for_mode(fast: bool) -> DemoPlan:
+        if fast:
+            return DemoPlan(offline_preset="fast", releases=2, online_budget_s=300, update_interval="10s",
+                            min_feedback=256, traffic_chunk=64, final_requests=192)
+        return DemoPlan(offline_preset=None, releases=3, online_budget_s=480, update_interval="15s",
+                        min_feedback=384, traffic_chunk=64, final_requests=384)
+
+
+class DemoState:
+    """Which stages finished, with their outputs; written atomically after each stage."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"stages": {}}
+
+    def done(self, stage: str) -> dict[str, Any] | None:
+        return self.data["stages"].get(stage)
+
+    def finish(self, stage: str, outputs: dict[str, Any]) -> None:
+        self.data["stages"][stage] = outputs
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        os.replace(tmp, self.path)
+
+    def reset_from(self, stage: str) -> None:
+        for later in STAGES[STAGES.index(stage):]:
+            self.data["stages"].pop(later, None)
+
+
+def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
+    """The user's settings with the demo's schedule (minutes, not hours) and the offline preset."""
+    from offline_rl.presets import apply_preset
+
+    s = apply_preset(settings.model_copy(deep=True), plan.offline_preset)
+    s.schedule = s.schedule.model_copy(update={"update_interval": plan.update_interval,
+                                               "min_feedback": plan.min_feedback, "misfire_grace_s": 60})
+    return s
+
+
+def _has_model(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Stages 1-3: offline.
+
+
+def stage_model(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
+    from policy.tiny import build_tiny_model
+
+    if _has_model(s.model.dir):
+        log(f"model: using {s.model.dir}")
+    else:
+        build_tiny_model(s.model.dir, s.tiny)
+        log(f"model: built the tiny default model in {s.model.dir}")
+    return {"model_dir": s.model.dir}
+
+
+def stage_midtrain(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
+    from offline_rl.midtrain import run_midtrain
+
+    out = run_midtrain(s, init_dir=s.model.dir, progress=True, log=log)
+    return {"dir": str(out)}
+
+
+def stage_grpo(s: Settings, log: Callable[[str], None], init_dir: str) -> dict[str, Any]:
+    from offline_rl.grpo import run_grpo
+
+    result = run_grpo(s, init_dir, progress=True, log=log)
+    summary = result.summary()
+    summary["evals"] = result.evals
+    if not result.published_version:
+        raise DemoError(f"grpo: held-out pass@1 {summary['pass_at_1_after']} never reached the gate "
+                        f"{s.eval.gate_threshold} in {result.steps} steps; nothing was published. "
+                        "Raise grpo.steps or lower eval.gate_threshold, then rerun (finished stages are kept).")
+    log(f"grpo: version {result.published_version} passed the gate and serves as production")
+    return summary
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 4: online.
+
+
+class _Traffic(threading.Thread):
+    """Simulated users sending requests in chunks until stopped; per-version tallies accumulate."""
+
+    def __init__(self, url: str, users, tasks, s: Settings, chunk: int) -> None:
+        super().__init__(name="demo-traffic", daemon=True)
+        self.url, self.users, self.tasks, self.s, self.chunk = url, users, tasks, s, chunk
+        self.stop_event = threading.Event()
+        self.per_version: dict[str, list[int]] = {}
+        self.requests = 0
+        self.errors = 0
+        self.error_samples: list[str] = []
+
+    def run(self) -> None:
+        from realtime_rl.simusers import run_traffic
+
+        k = 0
+        su = self.s.simusers
+        while not self.stop_event.is_set():
+            stats = run_traffic(self.url, self.users, self.tasks, n_requests=self.chunk, model=self.s.model.name,
+                                seed=su.seed * 7919 + k, concurrency=su.concurrency, temperature=su.temperature,
+                                max_tokens=su.max_tokens, edit_probability=su.edit_probability)
+            k += 1
+            self.requests += stats.requests
+            self.errors += stats.errors
+            self.error_samples = (self.error_samples + stats.error_samples)[:5]
+            for version, (n, accepted) in stats.per_version.items():
+                tally = self.per_version.setdefault(version, [0, 0])
+                tally[0] += n
+                tally[1] += accepted
+
+    def served(self, version: str) -> int:
+        return self.per_version.get(version, [0, 0])[0]
+
+
+def _released_since(engine, since_iso: str) -> list[dict[str, Any]]:
+    from realtime_rl.release import list_releases
+
+    return [r for r in reversed(list_releases(engine, limit=200))
+            if r["decision"] == "released" and str(r["created_at"]) >= since_iso]
+
+
+def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], started: str) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from offline_rl.tasks import generate_tasks
+    from policy.registry import Registry
+    from realtime_rl.database import make_engine
+    from realtime_rl.ingest import Ingester
+    from realtime_rl.schedule import build_scheduler, scheduled_cycle
+    from realtime_rl.schema import ensure_schema
+    from realtime_rl.simusers import make_population, register_keys
+    from serving.server import GatewayServer
+
+    ensure_schema(s.db)
+    engine = make_engine(s.db)
+    registry = Registry.from_settings(s.registry)
+    first_production = registry.channel("production")
+    if first_production is None:
+        raise DemoError("online: the registry has no production version (the grpo stage publishes it)")
+
+    su = s.simusers
+    users = make_population(su.n_users, su.seed, su.style_strictness_min, su.style_strictness_max)
+    register_keys(s, users)
+    tasks = generate_tasks(s.tasks.seed, s.tasks.heldout_fraction).train
+    stop = threading.Event()
+    server = GatewayServer(s).start()
+    log(f"online: gateway on {server.url} serving {s.model.name}@{first_production}")
+    ingester = Ingester(s)
+    ingest_thread = threading.Thread(target=ingester.run, kwargs={"stop_event": stop}, name="demo-ingest",
+                                     daemon=True)
+    ingest_thread.start()
+    scheduler = build_scheduler(s, scheduled_cycle(s, log=log), blocking=False)
+    scheduler.start()
+    traffic = _Traffic(server.url, users, tasks, s, plan.traffic_chunk)
+    traffic.start()
+    log(f"online: ingester and scheduler (every {plan.update_interval}, min_feedback {plan.min_feedback}) "
+        f"running; {len(users)} simulated users sending traffic")
+
+    deadline = time.monotonic() + plan.online_budget_s
+    bar = tqdm(total=plan.releases, desc="online releases", dynamic_ncols=True)
+    released: list[dict[str, Any]] = []
+    try:
+        while time.monotonic() < deadline:
+            released = _released_since(engine, started)
+            bar.n = min(len(released), plan.releases)
+            bar.set_postfix(requests=traffic.requests, production=(registry.channel("production") or "")[:10])
+            bar.refresh()
+            if len(released) >= plan.releases:
+                break
+            if not traffic.is_alive():
+                raise DemoError("online: the simulated-user traffic thread died")
+            time.sleep(2.0)
+        # Let the newest production version serve enough traffic to measure its accept rate.
+        newest = registry.channel("production")
+        scheduler.pause()
+        wait_until = time.monotonic() + 120
+        while traffic.served(newest) < plan.final_requests and time.monotonic() < wait_until:
+            time.sleep(1.0)
+    finally:
+        bar.close()
+        traffic.stop_event.set()
+        traffic.join(timeout=120)
+        scheduler.shutdown(wait=True)
+        # Drain what the gateway has emitted before stopping the ingester.
+        server.stop()
+        ingester_deadline = time.monotonic() + 60
+        while ingester.lag() > 0 and time.monotonic() < ingester_deadline:
+            time.sleep(0.5)
+        stop.set()
+        ingest_thread.join(timeout=60)
+        ingester.close()
+    swaps = [{"channel": c, "version": v, "pause_ms": round(p * 1000, 3)}
+             for c, v, p in getattr(server.gateway.watcher, "history", [])]
+    log(f"online: {len(released)} release(s), {traffic.requests} requests, {traffic.errors} failed requests")
+    if traffic.errors:
+        log("online: failed request samples: " + " | ".join(traffic.error_samples))
+    return {"started_at": started, "first_production": first_production,
+            "releases": [r["candidate_version"] for r in released], "requests": traffic.requests,
+            "failed_requests": traffic.errors, "swaps": swaps}
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 5: report.
+
+
+def gather_report(s: Settings, state: DemoState):
+    from policy.registry import Registry
+    from realtime_rl.analytics import accept_rate_by_version
+    from realtime_rl.database import make_engine
+    from realtime_rl.release import list_releases
+    from rtrl.report import ReportData, VersionRow
+
+    grpo = state.done("grpo") or {}
+    online = state.done("online") or {}
+    data = ReportData(gate=s.eval.gate_threshold, pass_before=grpo.get("pass_at_1_before"),
+                      pass_after=grpo.get("pass_at_1_after"))
+    data.grpo_curve = [(e["step"], e["pass_at_1"]) for e in grpo.get("evals", [])]
+    data.swap_pauses_ms = [w["pause_ms"] for w in online.get("swaps", []) if w.get("pause_ms") is not None]
+    data.stage_seconds = {k: v.get("seconds", 0.0) for k, v in state.data["stages"].items()}
+
+    engine = make_engine(s.db)
+    accept = {r["version"]: r for r in accept_rate_by_version(engine).to_dict("records")}
+    releases = {r["candidate_version"]: r for r in list_releases(engine, limit=500)}
+    registry = Registry.from_settings(s.registry)
+    infos = {v.id: v for v in registry.list()}
+    first = online.get("first_production") or grpo.get("published_version")
+    chain = [first] + [r["candidate_version"] for r in sorted(releases.values(), key=lambda r: str(r["created_at"]))
+                       if str(r["created_at"]) >= online.get("started_at", "")]
+    for version in [v for v in chain if v]:
+        info = infos.get(version)
+        rel = releases.get(version)
+        acc = accept.get(version, {})
+        n = int(acc.get("n_feedback", 0) or 0)
+        row = VersionRow(
+            version=version, stage=(info.stage if info else None) or ("offline" if version == first else "realtime"),
+            accept_rate=acc.get("accept_rate") if n else None,
+            ci=(acc["accept_ci_low"], acc["accept_ci_high"]) if n else None, n_feedback=n,
+            offline_pass_at_1=(rel or {}).get("offline_pass_at_1") if rel else
+            (info.metrics.get("heldout_pass_at_1") if info else None),
+            ope_estimate=(rel or {}).get("ope_estimate"),
+            delta_bytes=info.stored_bytes if info else None, raw_bytes=info.raw_bytes if info else None,
+            kind=info.kind if info else "", released=(rel is None or rel["decision"] == "released"),
+            note=((rel or {}).get("reason") or "")[:80])
+        data.versions.append(row)
+    return data
+
+
+# --------------------------------------------------------------------------------------------------
+# The job.
+
+
+@contextmanager
+def _timed(state: DemoState, stage: str, outputs: dict[str, Any]):
+    t0 = time.perf_counter()
+    yield
+    outputs["seconds"] = round(time.perf_counter() - t0, 1)
+    state.finish(stage, outputs)
+
+
+def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False,
+             log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run (or resume) the lifecycle; returns the summary that ``--json`` prints."""
+    import torch
+
+    from rtrl.report import print_summary, write_report
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    plan = DemoPlan.for_mode(fast)
+    s = demo_settings(settings, plan)
+    torch.set_num_threads(s.model.threads)
+    state = DemoState(Path(s.var_dir) / "demo" / "state.json")
+    if restart:
+        state.reset_from("model")
+        state.data.pop("online_started_at", None)
+    if state.data.get("fast") not in (None, fast):
+        log("demo: switching between --fast and the full run: resetting the report stage only")
+        state.reset_from("report")
+    state.data["fast"] = fast
+    t_all = time.perf_counter()
+
+    for stage in STAGES:
+        done = state.done(stage)
+        if done is not None:
+            log(f"[{stage}] already done ({done.get('seconds', 0):.0f} s), skipping")
+            continue
+        log(f"[{stage}] starting")
+        outputs: dict[str, Any] = {}
+        with _timed(state, stage, outputs):
+            if stage == "model":
+                outputs.update(stage_model(s, log))
+            elif stage == "midtrain":
+                outputs.update(stage_midtrain(s, log))
+            elif stage == "grpo":
+                outputs.update(stage_grpo(s, log, (state.done("midtrain") or {})["dir"]))
+            elif stage == "online":
+                # Kept outside the stage record so that an interrupted online stage, rerun, still
+                # counts the releases it already made.
+                if "online_started_at" not in state.data:
+                    from datetime import UTC, datetime
+
+                    state.data["online_started_at"] = datetime.now(UTC).isoformat()
+                    state.save()
+                outputs.update(stage_online(s, plan, log, state.data["online_started_at"]))
+            elif stage == "report":
+                data = gather_report(s, state)
+                outputs["index"] = str(write_report(data, Path(s.var_dir) / "report"))
+    data = gather_report(s, state)
+    index = write_report(data, Path(s.var_dir) / "report")
+    print_summary(data)
+    grpo, online = state.done("grpo") or {}, state.done("online") or {}
+    summary = {
+        "gate": s.eval.gate_threshold,
+        "gate_passed": bool(grpo.get("published_version")),
+        "pass_at_1_before": grpo.get("pass_at_1_before"),
+        "pass_at_1_after": grpo.get("pass_at_1_after"),
+        "published_version": grpo.get("published_version"),
+        "realtime_releases": len(online.get("releases", [])),
+        "failed_requests": online.get("failed_requests"),
+        "report": str(index),
+        "stage_seconds": {k: v.get("seconds") for k, v in state.data["stages"].items()},
+        "this_run_s": round(time.perf_counter() - t_all, 1),
+        "versions": [{"version": v.version, "stage": v.stage, "accept_rate": v.accept_rate, "ci": v.ci,
+                      "offline_pass_at_1": v.offline_pass_at_1, "ope_estimate": v.ope_estimate,
+                      "n_feedback": v.n_feedback} for v in data.versions],
+    }
+    log(f"report: {index}")
+    return summary
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("demo")
+    def demo(
+        fast: bool = typer.Option(False, "--fast", help="The reduced CI path (a few minutes): smaller offline "
+                                  "budgets, 2 real-time releases instead of 3."),
+        restart: bool = typer.Option(False, "--restart", help="Forget finished stages and start over "
+                                     "(var/ contents are reused where they are valid)."),
+        as_json: bool = typer.Option(False, "--json", help="End with one JSON line summarising the run."),
+        config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
+    ) -> None:
+        """Run the whole lifecycle: tiny model → mid-train → GRPO to the gate → serve → simulated users →
+        real-time releases → report (var/report/index.html). Interrupt and rerun to resume."""
+        from rtrl.cli import settings_or_exit
+
+        settings = settings_or_exit(config)
+        try:
+            summary = run_demo(settings, fast=fast, restart=restart, log=lambda m: typer.echo(m, err=as_json))
+        except DemoError as err:
+            typer.echo(f"demo stopped: {err}", err=True)
+            raise typer.Exit(1) from None
+        if as_json:
+            typer.echo(json.dumps(summary, default=str))
