@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -80,6 +80,26 @@ class Settings(BaseSettings):
     release: ReleaseGateSettings = Field(default_factory=ReleaseGateSettings)
     schedule: ScheduleSettings = Field(default_factory=ScheduleSettings)
     simusers: SimUsersSettings = Field(default_factory=SimUsersSettings)
+
+    @model_validator(mode="after")
+    def _relocate_defaults(self) -> Settings:
+        """Default paths live under ``var/``; a different ``var_dir`` moves every path not set explicitly."""
+        root = self.var_dir.rstrip("/")
+        if root == "var":
+            return self
+        for name in type(self).model_fields:
+            section = getattr(self, name)
+            if not isinstance(section, BaseModel):
+                continue
+            for field, value in list(section):
+                if field in section.model_fields_set:
+                    continue
+                if isinstance(value, str) and value.startswith("var/"):
+                    object.__setattr__(section, field, root + value[3:])
+                elif isinstance(value, SecretStr) and value.get_secret_value().startswith("sqlite:///var/"):
+                    object.__setattr__(section, field,
+                                       SecretStr("sqlite:///" + root + value.get_secret_value()[len("sqlite:///var"):]))
+        return self
 
     @classmethod
     def settings_customise_sources(

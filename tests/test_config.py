@@ -80,3 +80,15 @@ def test_config_show_cli(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "serving.portt: unknown key" in proc.stderr
+
+
+def test_var_dir_moves_every_default_path_but_not_explicit_ones(tmp_path):
+    cfg = tmp_path / "rtrl.toml"
+    cfg.write_text('var_dir = "/data/rtrl"\n[registry]\nurl = "s3://bucket/reg"\n')
+    s = load_settings(cfg)
+    assert s.registry.url == "s3://bucket/reg"
+    assert s.registry.cache_dir.startswith("/data/rtrl/")
+    assert s.model.dir == "/data/rtrl/models/tiny"
+    assert s.grpo.out_dir == "/data/rtrl/runs/grpo"
+    assert s.db.url.get_secret_value() == "sqlite:////data/rtrl/feedback.db"
+    assert s.bus.embedded_path == "/data/rtrl/bus/events.db"
