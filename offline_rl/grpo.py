@@ -293,7 +293,8 @@ def truncate_metrics(path: Path, max_step: int) -> None:
 def _batch_metrics(trajs) -> dict:
     n = len(trajs)
     out = {"reward_mean": sum(t.reward for t in trajs) / n, "pass_rate": sum(t.passed for t in trajs) / n,
-           "completions": n, "mean_turns": sum(t.turns for t in trajs) / n}
+           "completions": n, "mean_turns": sum(t.turns for t in trajs) / n,
+           "gen_tokens": sum(t.n_policy_tokens for t in trajs)}
     keys = sorted({k for t in trajs for k in t.parts})
     for k in keys:
         out[f"reward_{k}"] = sum(t.parts.get(k, 0.0) for t in trajs) / n

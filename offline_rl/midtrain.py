@@ -72,11 +72,13 @@ def lm_loss(model, input_ids, mask):
 
 
 def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir: str | Path | None = None,
-                 progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
+                 progress: bool = True, log: Callable[[str], None] | None = None,
+                 on_step: Callable[[int, object], None] | None = None) -> Path:
     """Train from ``init_dir`` (default ``model.dir``) and save an HF directory; returns its path.
 
     Writes ``midtrain.json`` beside the weights (loss curve summary and, with ``eval_at_end``, the
-    held-out pass@1)."""
+    held-out pass@1). ``on_step(step, model)`` is called after every optimizer step (calibration runs
+    evaluate intermediate points with it)."""
     import torch
     from tqdm import tqdm
 
@@ -105,6 +107,8 @@ def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(step + 1, model)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
     model.eval()

@@ -19,7 +19,9 @@ from realtime_rl.config import DatabaseSettings
 
 
 def url_of(db: DatabaseSettings | str) -> str:
-    return db if isinstance(db, str) else db.url.get_secret_value()
+    if isinstance(db, str):
+        return db
+    return db.url if isinstance(db.url, str) else db.url.get_secret_value()
 
 
 def redacted_url(db: DatabaseSettings | str) -> str:

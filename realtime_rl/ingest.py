@@ -199,6 +199,8 @@ class Ingester:
         now = utcnow()
         with self.engine.begin() as conn:
             self._advance(conn, batch.before, batch.after, now)
+        time.sleep(0.05)
+        with self.engine.begin() as conn:
             result = self._write(conn, batch.decoded, now)
         self.positions = batch.after
         self.stats.records += len(batch.decoded)
@@ -362,10 +364,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Ingest bus events into the feedback tables.")
     parser.add_argument("--once", action="store_true", help="Stop when caught up.")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    ingester = Ingester(load_settings())
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    ingester = Ingester(load_settings())
     try:
         if args.once:
             ingester.drain()

@@ -2,8 +2,9 @@
 
 Beyond the wire schema (``realtime_rl.events``), the ingester refuses what would corrupt training
 data or fail in the database later: log-prob arrays that do not line up with the sampled tokens,
-non-finite or positive log-probs, an ``edit`` without the kept text, a score outside [-1, 1], and
-NUL characters (PostgreSQL text cannot hold them, and both databases must behave the same).
+non-finite or positive log-probs, an ``edit`` without the kept text, a score outside [-1, 1], ids
+longer than their columns, and NUL characters (PostgreSQL text cannot hold them); both databases
+must refuse the same events.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ CONFLICT = "conflict"
 DB_REJECTED = "db_rejected"
 REASONS = (OVERSIZED, UNDECODABLE, SCHEMA_INVALID, CONFLICT, DB_REJECTED)
 
+MAX_ID_CHARS = 128
+"""Ids and names are stored as VARCHAR(128) (PostgreSQL enforces it; SQLite would not)."""
+_ID_FIELDS = ("event_id", "completion_id", "caller", "model", "version", "task_bucket", "parent", "channel")
 _LOGPROB_SLACK = 1e-4
 """Log-probs a hair above 0 come from float rounding of probabilities near 1; more is a bug."""
 
@@ -72,6 +76,10 @@ def semantic_problem(event: Event, may_contain_nul: bool = True) -> str | None:
         for name, value in event:
             if isinstance(value, str) and "\x00" in value:
                 return f"{name}: contains a NUL character"
+    for name in _ID_FIELDS:
+        value = getattr(event, name, None)
+        if value is not None and len(value) > MAX_ID_CHARS:
+            return f"{name}: longer than {MAX_ID_CHARS} characters"
     if isinstance(event, CompletionEvent):
         n = len(event.completion_token_ids)
         for name in ("logprobs", "sampling_logprobs", "expert_ids"):

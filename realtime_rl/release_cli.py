@@ -10,7 +10,8 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command("update")
     def update(
-        once: bool = typer.Option(True, "--once/--no-once", help="Run a single cycle and exit (the default)."),
+        once: bool = typer.Option(True, "--once", help="Run a single cycle and exit (what this command always "
+                                  "does; `rtrl scheduler` runs cycles on a schedule)."),
         force: bool = typer.Option(False, "--force", help="Run even with fewer than schedule.min_feedback new "
                                    "examples or the same data as the last run."),
         as_json: bool = typer.Option(False, "--json", help="Print the cycle result as JSON."),

@@ -216,7 +216,8 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
             raise APIError(503, str(err), "server_unavailable", "unavailable", retry_after=5) from None
         t0 = time.perf_counter()
         try:
-            gens: list[Generation] = await asyncio.wait_for(asyncio.wrap_future(fut), s.request_timeout_s)
+            async with asyncio.timeout(s.request_timeout_s):
+                gens: list[Generation] = await asyncio.wrap_future(fut)
         except TimeoutError:
             raise APIError(503, "timed out waiting for the engine", "server_overloaded", "timeout",
                            retry_after=5) from None

@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
 
         try:
             serve_forever(settings)
-        except (NothingToServe, ModelLoadError) as err:
+        except (NothingToServe, ModelLoadError, ValueError) as err:
             typer.echo(f"cannot serve: {err}", err=True)
             raise typer.Exit(1) from None
 

@@ -28,6 +28,8 @@ class ServingSettings(_Section):
         "hash), `auto` (registry when it has a production version, else dir).")
     poll_interval_s: float = Field(2.0, gt=0, description="How often the version watcher polls for a new "
                                    "production (and candidate) version.")
+    follow_version_events: bool = Field(False, description="Also watch `model_version` events on the bus "
+                                        "(bus.versions_topic) and poll at once when one arrives.")
     canary_share: float = Field(0.0, ge=0, le=1, description="Share of callers (stable hash of the key id) "
                                 "routed to the `candidate` channel when one is set (torch engine only).")
     candidate_dir: str | None = Field(None, description="With source=dir: an HF directory served as the "
@@ -75,3 +77,5 @@ class ServingSettings(_Section):
     spill_fsync: bool = Field(True, description="fsync the spill file after each write (survives power loss).")
     bus_retry_s: float = Field(1.0, gt=0, description="Wait between attempts to reach a bus that is down.")
     emit_batch: int = Field(500, ge=1, description="Most events sent to the bus per flush.")
+    emit_linger_ms: float = Field(5.0, ge=0, description="After the first waiting event, wait this long for "
+                                  "more before sending (fewer bus flushes under load).")

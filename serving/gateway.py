@@ -15,9 +15,11 @@ from serving.engines.base import CANDIDATE, PRODUCTION
 from serving.feedback_tokens import FeedbackTokens
 from serving.metrics import GatewayMetrics
 from serving.ratelimit import RateLimiter
-from serving.versions import VersionWatcher, open_source
+from serving.versions import VersionEventFollower, VersionWatcher, open_source
 
 log = logging.getLogger("serving")
+DEFAULT_SECRET = "change-me-in-production"
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class UnknownModel(LookupError):
@@ -38,6 +40,11 @@ class Gateway:
         from serving.engines import create_engine
 
         s = settings.serving
+        if s.feedback_secret.get_secret_value() == DEFAULT_SECRET:
+            if s.host not in LOOPBACK:
+                raise ValueError("serving.feedback_secret is the built-in default: set a real secret "
+                                 "(RTRL_SERVING__FEEDBACK_SECRET) before binding to a non-loopback address")
+            log.warning("serving.feedback_secret is the built-in default; fine on loopback, never in production")
         self.settings = settings
         self.model_name = settings.model.name
         self.metrics = GatewayMetrics()
@@ -50,9 +57,11 @@ class Gateway:
         self.emitter = EventEmitter(settings.bus.events_topic, Path(s.spill_dir),
                                     producer_factory or default_producer_factory(settings.bus),
                                     queue_size=s.event_queue_size, batch=s.emit_batch, retry_s=s.bus_retry_s,
-                                    fsync=s.spill_fsync, metrics=self.metrics)
+                                    fsync=s.spill_fsync, linger_s=s.emit_linger_ms / 1000, metrics=self.metrics)
         self.watcher = VersionWatcher(self.source, self.engine, s.poll_interval_s, self.metrics,
                                       on_swap=self._on_swap)
+        self.follower = (VersionEventFollower(settings.bus, self.model_name, self.watcher)
+                         if s.follow_version_events else None)
         self._live: dict[str, str] = {}
         self.started = False
 
@@ -77,9 +86,13 @@ class Gateway:
                                  f"channel empty or {self.settings.model.dir} missing; `rtrl init-model` builds one)")
         log.info("gateway serving %s", ", ".join(f"{c}={v}" for c, v, _ in swaps))
         self.watcher.start()
+        if self.follower is not None:
+            self.follower.start()
         self.started = True
 
     def stop(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
         self.watcher.stop()
         self.engine.close()
         self.emitter.stop()

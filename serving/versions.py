@@ -133,6 +133,7 @@ class VersionWatcher:
         self.metrics, self.on_swap = metrics, on_swap
         self.last_error: str | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="version-watcher", daemon=True)
 
@@ -163,16 +164,75 @@ class VersionWatcher:
     def start(self) -> None:
         self._thread.start()
 
+    def poke(self) -> None:
+        """Poll now instead of at the next interval (a `model_version` event arrived)."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.sync()
                 self.last_error = None
             except Exception as err:  # noqa: BLE001 - keep serving the current version, retry next poll
                 self.last_error = str(err)
                 log.warning("version poll failed (still serving %s): %s", self.engine.versions(), err)
+
+
+class VersionEventFollower:
+    """Pokes the watcher when a `model_version` event for this model appears on the bus.
+
+    Reads ``bus.versions_topic`` from its end at start-up (older events are history; the first poll
+    already saw their effect). Bus outages only delay swaps to the next regular poll.
+    """
+
+    def __init__(self, bus_settings, model_name: str, watcher: VersionWatcher) -> None:
+        self.bus_settings, self.model_name, self.watcher = bus_settings, model_name, watcher
+        self.seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="version-events", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=15)
+
+    def _loop(self) -> None:
+        from realtime_rl.bus import BusUnavailable, open_consumer
+        from realtime_rl.events import ModelVersionEvent, decode_event
+
+        topic = self.bus_settings.versions_topic
+        consumer = None
+        while not self._stop.is_set():
+            try:
+                if consumer is None:
+                    consumer = open_consumer(self.bus_settings, f"gateway-versions-{id(self)}")
+                    consumer.assign(dict(((topic, p), off) for p, off in consumer.end_offsets(topic).items()))
+                for rec in consumer.poll(0.5):
+                    try:
+                        event = decode_event(rec.value)
+                    except ValueError:
+                        continue
+                    if isinstance(event, ModelVersionEvent) and event.model == self.model_name:
+                        self.seen += 1
+                        self.watcher.poke()
+            except BusUnavailable as err:
+                log.info("version events unavailable (%s); relying on polling", err)
+                if consumer is not None:
+                    consumer.close()
+                consumer = None
+                self._stop.wait(2.0)
+        if consumer is not None:
+            consumer.close()

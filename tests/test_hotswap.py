@@ -171,3 +171,25 @@ def test_serves_the_registry_production_channel_and_follows_promotions(tmp_path,
         reg.rollback("production")
         _wait_for(lambda: server.gateway.engine.versions()["production"] == first.id)
         assert model() == f"tiny-coder@{first.id}"
+
+
+def test_model_version_event_triggers_an_immediate_poll(tmp_path, versions):
+    from realtime_rl.bus import open_producer
+    from realtime_rl.events import ModelVersionEvent
+    from serving.server import GatewayServer
+
+    link = tmp_path / "current"
+    point(link, versions[0])
+    settings = gateway_settings(tmp_path, link, poll_interval_s=600, follow_version_events=True)
+    with GatewayServer(settings) as server:
+        gw = server.gateway
+        time.sleep(1.0)  # the follower starts reading at the topic's end
+        point(link, versions[2])
+        time.sleep(0.5)
+        assert gw.engine.versions()["production"] == "v0"  # no poll for 10 minutes on its own
+        with open_producer(settings.bus) as producer:
+            producer.send(settings.bus.versions_topic, ModelVersionEvent(
+                model="tiny-coder", version="v2", action="promoted", channel="production").to_bytes(), key=b"v2")
+            producer.flush()
+        _wait_for(lambda: gw.engine.versions()["production"] == "v2", timeout_s=20)
+        assert gw.follower.seen == 1

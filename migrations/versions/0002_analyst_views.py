@@ -13,7 +13,11 @@ Analysts query these views, never the base tables (whose layout may change with 
 - ``v_latency_by_version``: every served completion (with or without feedback): n_completions,
   mean_latency_ms, max_latency_ms, first_completion_at, last_completion_at (quantiles: the pandas
   loaders in ``realtime_rl.analytics``).
+- ``v_completions``: every served completion without token arrays: completion_id, model, version,
+  caller, task_bucket, finish_reason, latency_ms, completion_at, day, has_feedback (0 or 1).
 - ``v_kept_edits``: edit judgements with the served completion and the text the user kept.
+- ``v_model_versions``: the registry's versions as ingested: version, model, parent, sha256,
+  last_action, last_channel, created_at, updated_at.
 - ``v_dead_letter_summary``: dead letters per reason: n, n_replayed, first_at, last_at.
 
 On PostgreSQL the views are granted to a ``rtrl_analyst`` role (created NOLOGIN when the migrating
@@ -74,6 +78,14 @@ SELECT version, COUNT(*) AS n_completions, AVG(latency_ms) AS mean_latency_ms,
        MAX(latency_ms) AS max_latency_ms, MIN(created_at) AS first_completion_at,
        MAX(created_at) AS last_completion_at
 FROM completions GROUP BY version""",
+        "v_completions": f"""
+SELECT c.completion_id, c.model, c.version, c.caller, c.task_bucket, c.finish_reason, c.latency_ms,
+       c.created_at AS completion_at, {day} AS day,
+       CASE WHEN EXISTS (SELECT 1 FROM feedback f WHERE f.completion_id = c.completion_id) THEN 1 ELSE 0 END
+         AS has_feedback
+FROM completions c""",
+        "v_model_versions": """
+SELECT version, model, parent, sha256, last_action, last_channel, created_at, updated_at FROM model_versions""",
         "v_kept_edits": """
 SELECT completion_id, version, task_bucket, completion, kept_text, feedback_at
 FROM v_feedback_latest WHERE signal = 'edit' AND kept_text IS NOT NULL""",

@@ -268,7 +268,7 @@ class Registry:
         if aux is None:
             aux = aux_files(self, parent_m) if parent_m is not None else {}
         prep = prepare(self, tensors, aux)
-        if prep.id in self.store.list_versions():
+        if self.store.exists(f"versions/{prep.id}/{MANIFEST}"):
             return self.info(prep.id)
         if not owned:
             # The memory cache must not alias the caller's parameters, which keep training in place.

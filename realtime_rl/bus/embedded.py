@@ -66,9 +66,11 @@ class _TopicCatalog:
     def partitions(self, topic: str) -> int:
         if topic not in self._cache:
             try:
-                self._conn.execute("INSERT OR IGNORE INTO topics (topic, partitions) VALUES (?, ?)",
-                                   (topic, self._default))
                 row = self._conn.execute("SELECT partitions FROM topics WHERE topic = ?", (topic,)).fetchone()
+                if row is None:  # only a new topic needs the write lock
+                    self._conn.execute("INSERT OR IGNORE INTO topics (topic, partitions) VALUES (?, ?)",
+                                       (topic, self._default))
+                    row = self._conn.execute("SELECT partitions FROM topics WHERE topic = ?", (topic,)).fetchone()
             except sqlite3.Error as err:
                 raise BusUnavailable(f"embedded bus: cannot read topic {topic!r}: {err}") from err
             self._cache[topic] = int(row[0])
