@@ -1,0 +1,165 @@
+"""`rtrl bench grpo`: GRPO step throughput, ours (sync and async) against TRL's GRPOTrainer.
+
+Same model, same task prompts, same reward, same shape: 4 prompts x 8 samples x <= 32 new tokens per
+step, one optimizer step per batch, no KL term, fp32, ``model.threads`` torch threads. The tiny model
+first gets a short supervised warm-up (mid-training) so that rewards vary within groups and both
+sides do a backward pass on (nearly) every batch; the reward keeps its shaping parts ungated
+(``require_pass = False``) for the same reason. TRL runs with ``bf16=False`` and gradient
+checkpointing off (ours does not checkpoint either); generation stops at the newline token on both
+sides. sec/step is the steady state: the first step (worker start-up, first forward) is excluded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rtrl.config import Settings
+
+PROMPTS, GROUP, MAX_TOKENS = 4, 8, 32
+
+
+def _steady_sec_per_step(times: list[float]) -> float:
+    if len(times) < 3:
+        raise RuntimeError("need at least 3 steps to measure a steady state")
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+def _ours(settings: Settings, init_dir: Path, work: Path, mode: str, steps: int, log) -> dict[str, Any]:
+    from offline_rl.grpo import run_grpo
+
+    s = settings.model_copy(deep=True)
+    g = s.grpo
+    g.out_dir, g.mode, g.steps = str(work / f"ours-{mode}"), mode, steps
+    g.prompts_per_step, g.group_size, g.max_new_tokens = PROMPTS, GROUP, MAX_TOKENS
+    g.eval_every, g.checkpoint_every, g.publish, g.warmup_steps, g.kl_coef = 0, 10_000, False, 0, 0.0
+    g.workers = 1
+    s.rewards.require_pass = False
+    t0 = time.perf_counter()
+    res = run_grpo(s, init_dir, progress=False, resume=False, evaluate_before=False, evaluate_after=False)
+    wall = time.perf_counter() - t0
+    recs = [json.loads(x) for x in res.metrics_path.read_text().splitlines()]
+    times = [r["time"] for r in recs]
+    sps = _steady_sec_per_step(times)
+    tokens = sum(r["gen_tokens"] for r in recs[1:]) / max(1, len(recs) - 1)
+    out = {"sec_per_step": sps, "tokens_per_s": tokens / sps, "steps": len(recs), "wall_s": wall,
+           "updated_fraction": sum(bool(r.get("updated")) for r in recs) / len(recs),
+           "mean_staleness": sum(r["staleness"] for r in recs) / len(recs), "dropped_stale": res.dropped_stale,
+           "mean_reward": sum(r["reward_mean"] for r in recs) / len(recs)}
+    log(f"ours[{mode}]: {sps:.3f} s/step, {out['tokens_per_s']:.0f} tok/s, updated {out['updated_fraction']:.2f}, "
+        f"staleness {out['mean_staleness']:.2f}, dropped {res.dropped_stale}")
+    return out
+
+
+def _trl(settings: Settings, init_dir: Path, work: Path, steps: int, log) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from offline_rl.config import RewardSettings
+    from offline_rl.grpo import load_task_split
+    from offline_rl.rewards import RewardFunction
+    from offline_rl.sandbox import Sandbox
+    from policy.loading import load_policy
+
+    policy = load_policy(init_dir)
+    tok = policy.tokenizer
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    split = load_task_split(settings)
+    by_prompt = {t.prompt: t for t in split.train}
+    prompts = [split.train[i % len(split.train)].prompt for i in range(PROMPTS * (steps + 2))]
+    sandbox = Sandbox(settings.sandbox)
+    reward_fn = RewardFunction(sandbox, RewardSettings(**{**settings.rewards.model_dump(), "require_pass": False}))
+
+    def reward(prompts, completions, **_):
+        items = []
+        for p, c in zip(prompts, completions, strict=True):
+            line, nl, _ = c.partition("\n")
+            items.append((by_prompt[p], line, bool(nl)))
+        return [r.total for r in reward_fn.score_many(items)]
+
+    stamps: list[float] = []
+    lengths: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(float(logs["completions/mean_length"]))
+
+    cfg = GRPOConfig(
+        output_dir=str(work / "trl"), per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
+        max_completion_length=MAX_TOKENS, learning_rate=settings.grpo.lr, beta=0.0, max_steps=steps,
+        logging_steps=1, save_strategy="no", report_to="none", bf16=False, use_cpu=True,
+        gradient_checkpointing=False, temperature=1.0, seed=settings.grpo.seed, dataloader_num_workers=0,
+        generation_kwargs={"eos_token_id": [tok.eos_token_id, *newline]}, disable_tqdm=True,
+        epsilon=settings.grpo.clip_low, epsilon_high=settings.grpo.clip_high, loss_type="dapo",
+        scale_rewards="none",
+    )
+    policy.model.train()
+    trainer = GRPOTrainer(model=policy.model, reward_funcs=[reward], args=cfg,
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
+                          callbacks=[Stamp()])
+    torch.set_num_threads(settings.model.threads)
+    t0 = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        sandbox.close()
+    wall = time.perf_counter() - t0
+    sps = _steady_sec_per_step(stamps)
+    tokens = (sum(lengths) / len(lengths)) * PROMPTS * GROUP if lengths else float("nan")
+    log(f"trl: {sps:.3f} s/step, {tokens / sps:.0f} tok/s")
+    return {"sec_per_step": sps, "tokens_per_s": tokens / sps, "steps": len(stamps), "wall_s": wall}
+
+
+def run(settings: Settings, quick: bool, log) -> dict[str, Any]:
+    import torch
+
+    from offline_rl.midtrain import run_midtrain
+    from policy.config import TinyModelSettings
+    from policy.loading import check_model_dir
+    from policy.tiny import build_tiny_model
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(settings.model.threads)
+    steps = 5 if quick else 12
+    trl_steps = 4 if quick else 8
+    with tempfile.TemporaryDirectory(prefix="bench-grpo-") as tmp:
+        work = Path(tmp)
+        try:
+            base = check_model_dir(settings.model.dir)
+        except Exception:
+            log(f"no model at {settings.model.dir}: building the tiny default in a temporary directory")
+            base = build_tiny_model(work / "tiny", TinyModelSettings(corpus_examples=4000))
+        s = settings.model_copy(deep=True)
+        s.midtrain.steps, s.midtrain.warmup_steps, s.midtrain.eval_at_end = (30 if quick else 120), 10, False
+        log(f"warm-up: {s.midtrain.steps} mid-training steps")
+        init = run_midtrain(s, init_dir=base, out_dir=work / "warm", progress=False)
+        sync = _ours(settings, init, work, "sync", steps, log)
+        asyn = _ours(settings, init, work, "async", steps + 2, log)
+        trl = _trl(settings, init, work, trl_steps, log)
+    return {
+        "ours_sync_sec_per_step": round(sync["sec_per_step"], 4),
+        "ours_async_sec_per_step": round(asyn["sec_per_step"], 4),
+        "trl_sec_per_step": round(trl["sec_per_step"], 4),
+        "ours_sync_tokens_per_s": round(sync["tokens_per_s"], 1),
+        "ours_async_tokens_per_s": round(asyn["tokens_per_s"], 1),
+        "trl_tokens_per_s": round(trl["tokens_per_s"], 1),
+        "ratio_vs_trl": round(trl["sec_per_step"] / min(sync["sec_per_step"], asyn["sec_per_step"]), 3),
+        "sync_vs_trl": round(trl["sec_per_step"] / sync["sec_per_step"], 3),
+        "async_over_sync": round(sync["sec_per_step"] / asyn["sec_per_step"], 3),
+        "async_mean_staleness": round(asyn["mean_staleness"], 3),
+        "async_dropped_stale": asyn["dropped_stale"],
+        "ours_updated_fraction": round(min(sync["updated_fraction"], asyn["updated_fraction"]), 3),
+        "shape": {"prompts": PROMPTS, "samples": GROUP, "max_new_tokens": MAX_TOKENS},
+        "steps": {"sync": sync["steps"], "async": asyn["steps"], "trl": trl["steps"]},
+        "rollout_workers": 1, "trl_gradient_checkpointing": False, "dtype": "float32", "quick": quick,
+    }

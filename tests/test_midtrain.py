@@ -1,0 +1,54 @@
+"""Mid-training: the LR schedule, prompt/answer tokenization, and `rtrl midtrain` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from offline_rl.midtrain import doc_ids, lr_factor
+
+
+def test_lr_schedule_warmup_then_cosine():
+    assert lr_factor(0, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(55, 100, 10, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(100, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(50, 100, 0, 0.2, "linear") == pytest.approx(0.6)
+    assert lr_factor(50, 100, 0, 0.2, "constant") == 1.0
+    vals = [lr_factor(s, 200, 0, 0.1) for s in range(200)]
+    assert all(a >= b for a, b in zip(vals, vals[1:], strict=False))
+
+
+def test_prompt_and_answer_are_tokenized_as_at_inference(tiny_model_dir):
+    from policy.loading import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    prompt = "# f(0)=7 f(1)=15\ndef f(x): return "
+    ids = doc_ids(tok, prompt + "x*8+7\n")
+    head = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert ids[:len(head)] == head  # the prompt ends in the same (bare space) token the sampler sees
+    assert tok.decode(ids) == prompt + "x*8+7\n"
+
+
+def test_midtrain_cli_saves_a_loadable_model(tiny_model_dir, tmp_path):
+    out = tmp_path / "mid"
+    env = {**os.environ, "RTRL_MIDTRAIN__EVAL_AT_END": "false", "RTRL_MIDTRAIN__BATCH_SIZE": "16",
+           "RTRL_MIDTRAIN__WARMUP_STEPS": "2"}
+    proc = subprocess.run([sys.executable, "-m", "rtrl", "midtrain", "--init", str(tiny_model_dir), "--out", str(out),
+                           "--steps", "25"], capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == str(out)
+    summary = json.loads((out / "midtrain.json").read_text())
+    assert summary["steps"] == 25 and summary["loss_last"] < summary["loss_first"] - 1.0
+    from policy.loading import load_policy
+
+    policy = load_policy(out)
+    assert len(policy.tokenizer) == len(load_policy(tiny_model_dir).tokenizer)
+    missing = subprocess.run([sys.executable, "-m", "rtrl", "midtrain", "--init", str(tmp_path / "none"),
+                              "--steps", "1"], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert missing.returncode == 2 and "not found" in missing.stderr
