@@ -251,13 +251,13 @@ def _resolve_canary(settings, engine, store, run_id: str, started: datetime, pro
     c_rate = sum(canary) / len(canary)
     p_rate = sum(control) / len(control) if control else 0.0
     metrics = {"canary_accept_rate": c_rate, "production_accept_rate": p_rate, "canary_n": len(canary)}
-    store.retire_candidate()
     if c_rate >= p_rate - g.ope_margin:
-        store.promote(pending, "production")
+        store.promote(pending, "production")  # `candidate` already points at it: the canary share stays on it
         _emit(producer, settings, version=pending, parent=production, action="promoted", channel="production",
               metrics=metrics, log=log)
         return {**base, "status": "released", "reason": f"canary accept {c_rate:.3f} >= production "
                 f"{p_rate:.3f}", "metrics": metrics}
+    store.retire_candidate()
     return {**base, "status": "refused", "reason": f"canary accept {c_rate:.3f} < production {p_rate:.3f}",
             "metrics": metrics}
 
@@ -286,7 +286,16 @@ def cycle_body(settings, engine: sa.Engine, run_id: str, *, force: bool, log, st
             return _finish(engine, row, None, None, CycleResult)
         canary_row = _resolve_canary(settings, engine, store, run_id, started, production, log, producer)
         if canary_row is not None:
-            return _finish(engine, canary_row, None, None, CycleResult)
+            rel = None
+            if canary_row["status"] in ("released", "refused"):
+                m = canary_row["metrics"]
+                rel = {"run_id": run_id, "candidate_version": canary_row["candidate_version"],
+                       "parent_version": production, "decision": canary_row["status"],
+                       "reason": "canary: " + canary_row["reason"], "offline_pass_at_1": None,
+                       "production_pass_at_1": None, "ope_estimate": None, "ope_ci_low": None, "ope_ci_high": None,
+                       "production_accept_rate": m.get("production_accept_rate"), "gate": _jsonable(m),
+                       "created_at": datetime.now(UTC)}
+            return _finish(engine, canary_row, rel, None, CycleResult)
 
         with engine.connect() as conn:
             last_release = last_run(conn, ["released", "canary"])

@@ -1,0 +1,60 @@
+"""Canary releases and the learned value-head baseline."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+from typer.testing import CliRunner
+
+from realtime_rl.release import RegistryStore
+from tests.rtrl_update_fixtures import insert_logged, make_world, sqlite_url  # noqa: F401
+
+
+def test_canary_then_promotion_by_realised_accept_rate(tmp_path, sqlite_url, tiny_model_dir, monkeypatch):  # noqa: F811
+    w = make_world(tmp_path, sqlite_url, tiny_model_dir, RELEASE__CANARY_SHARE=0.2,
+                   RELEASE__CANARY_MIN_FEEDBACK=50)
+    store = RegistryStore(w.settings)
+    for k, v in w.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RTRL_RELEASE__CANARY_SHARE", "0.2")
+    monkeypatch.setenv("RTRL_RELEASE__CANARY_MIN_FEEDBACK", "50")
+    from rtrl.cli import app
+
+    res = CliRunner().invoke(app, ["update", "--once", "--json"])
+    assert res.exit_code == 0, res.output
+    first = json.loads(res.output.strip().splitlines()[-1])
+    assert first["status"] == "canary", first["reason"]
+    cand = first["candidate_version"]
+    assert store.candidate() == cand and store.production() == w.production
+
+    # Too little canary feedback yet: wait.
+    waiting = json.loads(CliRunner().invoke(app, ["update", "--json"]).output.strip().splitlines()[-1])
+    assert waiting["status"] == "skipped" and "canary" in waiting["reason"]
+    # Canary traffic (sampled from the candidate, judged by the same users) and control traffic.
+    now = datetime.now(UTC)
+    insert_logged(w.settings, cand, store.materialize(cand), n=120, seed=5, start=now)
+    insert_logged(w.settings, w.production, tiny_model_dir, n=120, seed=6, start=now)
+    done = json.loads(CliRunner().invoke(app, ["update", "--json"]).output.strip().splitlines()[-1])
+    assert done["status"] == "released", done["reason"]
+    assert done["metrics"]["canary_accept_rate"] >= done["metrics"]["production_accept_rate"]
+    assert store.production() == cand and store.candidate() == cand
+    shown = CliRunner().invoke(app, ["releases"]).output
+    assert "canary:" in shown and shown.count(cand) == 2  # the canary decision, then its promotion
+
+
+def test_value_head_baseline_is_cross_fitted(tiny_model_dir):
+    from policy.loading import load_policy
+    from realtime_rl.baseline import value_head_advantages
+    from realtime_rl.dataset import LoggedExample, TrainingExample
+
+    policy = load_policy(tiny_model_dir)
+    exs = [TrainingExample(LoggedExample(f"c{i}", "v", "a", "b", [5 + i % 7, 9, 11 + i % 3], [4], [-1.0], None,
+                                         "accept"), float(i % 3) - 1.0, True) for i in range(24)]
+    adv, base = value_head_advantages(policy.model, exs)
+    assert len(adv) == 24 and all(abs(a - (e.reward - b)) < 1e-6 for a, b, e in zip(adv, base, exs, strict=True))
+    # Changing example 0's reward (fold 0) moves no fold-0 baseline: the head scoring it never saw it.
+    changed = [TrainingExample(exs[0].example, 10.0, True)] + exs[1:]
+    _, base2 = value_head_advantages(policy.model, changed)
+    assert all(abs(base2[i] - base[i]) < 1e-5 for i in range(0, 24, 2))
+    assert any(abs(base2[i] - base[i]) > 1e-4 for i in range(1, 24, 2))
