@@ -171,10 +171,13 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
             texts = [p]
         elif all(isinstance(x, str) for x in p):
             texts = list(p)
-        elif all(isinstance(x, int) for x in p):
-            return [list(p)], [gw.engine.tokenizer.decode(p)]
         else:
-            ids = [list(x) for x in p]
+            ids = [list(p)] if all(isinstance(x, int) for x in p) else [list(x) for x in p]
+            vocab = len(gw.engine.tokenizer)
+            for row in ids:
+                if row and (min(row) < 0 or max(row) >= vocab):
+                    raise APIError(422, f"prompt token ids must be in [0, {vocab})", "invalid_request_error",
+                                   "invalid_token_id", param="prompt")
             return ids, [gw.engine.tokenizer.decode(x) for x in ids]
         return [encode(t) for t in texts], texts
 

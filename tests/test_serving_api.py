@@ -166,6 +166,15 @@ def test_bad_input_gets_clear_4xx(live):
         (post(server, "/v1/completions", alice, {**good, "model": "tiny-coder@nope"}), 404, "model_not_found"),
         (post(server, "/v1/completions", alice, {**good, "prompt": "x" * 5000}), 413, "request_too_large"),
         (post(server, "/v1/completions", alice, {**good, "prompt": "1 " * 300}), 413, "context_length_exceeded"),
+        (post(server, "/v1/completions", alice, {**good, "prompt": [5, 99999]}), 422, "invalid_token_id"),
+        (post(server, "/v1/completions", alice, {**good, "prompt": [[3, -1]]}), 422, "invalid_token_id"),
+        (post(server, "/v1/completions", alice, {**good, "prompt": ""}), 422, "empty_prompt"),
+        (post(server, "/v1/completions", alice, {**good, "stop": ["a", "b", "c", "d", "e"]}), 422, "invalid_body"),
+        (post(server, "/v1/completions", alice, {**good, "n": 1000}), 422, "n_too_large"),
+        (post(server, "/v1/chat/completions", alice, {"model": "tiny-coder", "messages": [{"role": "tool",
+                                                                                           "content": "x"}]}),
+         422, "invalid_body"),
+        (post(server, "/v1/completions", alice, b"\xff\xfe"), 422, "invalid_body"),
         (post(server, "/v1/completions", None, good), 401, "invalid_api_key"),
         (post(server, "/v1/completions", "rtrl-000000000000-forged", good), 401, "invalid_api_key"),
     ]
@@ -176,6 +185,11 @@ def test_bad_input_gets_clear_4xx(live):
     assert detail["param"] == "temperature" and detail["details"]
     with pytest.raises(openai.NotFoundError):
         client(server, alice).completions.create(model="other", prompt="x", max_tokens=1)
+    # A client that gives up mid-request leaves the server healthy.
+    with pytest.raises(httpx.TimeoutException):
+        post(server, "/v1/completions", alice, {**good, "max_tokens": 30}, timeout=0.001)
+    assert post(server, "/v1/completions", alice, good).status_code == 200
+    assert server.gateway.metrics.requests.labels("/v1/completions", "500")._value.get() == 0
 
 
 def test_revoked_key_rate_limit_and_overload(live):
