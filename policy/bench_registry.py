@@ -24,6 +24,9 @@ Per cell:
 - ``decode_MBps``: raw MB per second rebuilding the version from its parent's state through the
   registry's decode path (read files, CRCs, decode, SHA-256 check of every changed tensor; median
   of 3).
+- ``*_MBps_per_cpu_s``: the same work per CPU-second summed over threads: what one core sustains,
+  independent of other load on a shared machine (wall-clock MB/s on an idle machine with T free
+  cores is about T times this, since chunks spread evenly over threads).
 - ``bit_exact``: the rebuilt tensors equal the published bits, element for element.
 """
 
@@ -99,13 +102,15 @@ def _zstd_full(state, workers: int) -> int:
     return sum(pmap(one, list(state.values()), workers))
 
 
-def _median_time(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, Any]:
-    times, out = [], None
+def _median_time(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, float, Any]:
+    """Median wall seconds, median CPU seconds (all threads of this process), last result."""
+    wall, cpu, out = [], [], None
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu), out
 
 
 def _cell(reg, prev_id: str, prev_state, cur_state, lr: float, steps: int, workers: int) -> dict[str, Any]:
@@ -114,7 +119,7 @@ def _cell(reg, prev_id: str, prev_state, cur_state, lr: float, steps: int, worke
     from policy.registry.tensors import to_torch
 
     raw = sum(tb.nbytes for tb in cur_state.values())
-    encode_s, enc = _median_time(lambda: encode_delta(reg, cur_state, prev_state))
+    encode_s, encode_cpu_s, enc = _median_time(lambda: encode_delta(reg, cur_state, prev_state))
     t0 = time.perf_counter()
     sd = {n: to_torch(tb) for n, tb in cur_state.items()}
     info = reg.publish(sd, parent=prev_id, stage="bench", metrics={"lr": lr, "steps": steps})
@@ -124,7 +129,7 @@ def _cell(reg, prev_id: str, prev_state, cur_state, lr: float, steps: int, worke
     m = reg.manifest(info.id)
     delta_bytes = sum(f.bytes for f in m.weight_files())
     manifest_bytes = reg.store.size(f"versions/{info.id}/manifest.json")
-    decode_s, rebuilt = _median_time(
+    decode_s, decode_cpu_s, rebuilt = _median_time(
         lambda: decode_state(reg, info.id, known={prev_id: prev_state}, use_caches=False))
     bit_exact = set(rebuilt) == set(cur_state) and all(
         np.array_equal(rebuilt[n].bits, cur_state[n].bits) for n in cur_state)
@@ -146,8 +151,10 @@ def _cell(reg, prev_id: str, prev_state, cur_state, lr: float, steps: int, worke
         "gap_to_bound": round(bound_ratio / ratio, 3),
         "zstd_full_ratio": round(raw / _zstd_full(cur_state, workers), 3),
         "encode_MBps": round(raw / encode_s / 1e6, 1),
+        "encode_MBps_per_cpu_s": round(raw / encode_cpu_s / 1e6, 1),
         "publish_MBps": round(raw / publish_s / 1e6, 1),
         "decode_MBps": round(raw / decode_s / 1e6, 1),
+        "decode_MBps_per_cpu_s": round(raw / decode_cpu_s / 1e6, 1),
         "delta_bytes": delta_bytes,
         "chunk_modes": modes,
         "bit_exact": bool(bit_exact),
@@ -198,7 +205,8 @@ def run(settings, quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
                 log(f"lr {lr:g} steps {steps:>2}: {cell['changed_fraction'] * 100:5.2f}% changed, ratio "
                     f"{cell['ratio']:6.1f}x (bound {cell['entropy_bound_ratio']:6.1f}x, gap "
                     f"{cell['gap_to_bound']:.2f}), zstd full {cell['zstd_full_ratio']:.2f}x, encode "
-                    f"{cell['encode_MBps']:.0f} MB/s, decode {cell['decode_MBps']:.0f} MB/s, "
+                    f"{cell['encode_MBps']:.0f} MB/s ({cell['encode_MBps_per_cpu_s']:.0f}/cpu-s), decode "
+                    f"{cell['decode_MBps']:.0f} MB/s, "
                     f"bit_exact {cell['bit_exact']}")
                 prev = reg.info(cell["version"])
                 prev_state = cur_state

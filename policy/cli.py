@@ -8,6 +8,7 @@ errors exit with status 1 and the message (naming version, file and tensor) on s
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,8 @@ def _open(config: str | None, url: str | None):
 
     settings = settings_or_exit(config)
     overrides = {} if url is None else {"url": url}
-    return Registry.from_settings(settings.registry.model_copy(update=overrides))
+    # progress bars only for a person watching: stderr is a terminal
+    return Registry.from_settings(settings.registry.model_copy(update=overrides), progress=sys.stderr.isatty())
 
 
 def _run(fn: Callable[[], Any]) -> Any:

@@ -85,7 +85,7 @@ def read_snapshot(reg: Registry, m: Manifest) -> State:
         return tensors
 
     state: State = {}
-    for part in pmap(load, sorted(by_file), reg.workers):
+    for part in pmap(load, sorted(by_file), reg.workers, desc=f"read {m.id}", progress=reg.progress):
         state.update(part)
     verify_tensors(reg, m, state)
     return {t.name: state[t.name] for t in m.tensors}
@@ -151,7 +151,7 @@ def apply_delta(reg: Registry, m: Manifest, base: State) -> State:
             raise CorruptVersion(f"{err} (elements {r.start}..{r.start + r.count})", version=m.id,
                                  file=t.file, tensor=t.name) from None
 
-    pmap(decode, jobs, reg.workers)
+    pmap(decode, jobs, reg.workers, desc=f"decode {m.id}", progress=reg.progress)
     # Unchanged tensors (every frame SAME, same hash as the parent) were verified at the parent.
     changed = [t.name for t in m.tensors
                if not (t.coding == "delta" and parent_sha.get(t.name) == t.sha256

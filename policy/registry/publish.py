@@ -70,7 +70,7 @@ def prepare(reg: Registry, tensors: State, aux: dict[str, bytes]) -> Prepared:
             raise PublishError(f"bad aux file name {name!r}")
     t0 = time.perf_counter()
     names = sorted(tensors)
-    digests = pmap(lambda n: tensors[n].sha256(), names, reg.workers)
+    digests = pmap(lambda n: tensors[n].sha256(), names, reg.workers, desc="hash", progress=reg.progress)
     entries = {n: (tensors[n].dtype, list(tensors[n].shape), d) for n, d in zip(names, digests, strict=True)}
     aux_sha = {n: hashlib.sha256(b).hexdigest() for n, b in aux.items()}
     vsha = version_sha256([(n, *entries[n]) for n in names], sorted(aux_sha.items()))
@@ -110,7 +110,7 @@ def encode_delta(reg: Registry, tensors: State, base: State) -> Encoded:
         return encode_chunk(index[name], s, new, base[name].bits[s:e], level=reg.zstd_level,
                             dense_probe=reg.dense_probe)
 
-    results = pmap(run, jobs, reg.workers)
+    results = pmap(run, jobs, reg.workers, desc="encode", progress=reg.progress)
     frames: dict[str, list[bytes]] = {n: [] for n in names}
     stats = []
     for (name, _, _), (frame, st) in zip(jobs, results, strict=True):
@@ -141,7 +141,7 @@ def commit(reg: Registry, prep: Prepared, enc: Encoded, *, parent: str | None, d
             staging.write(name, data)
             return FileEntry(name=name, role=role, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
-        file_entries = pmap(write, to_write, reg.workers)
+        file_entries = pmap(write, to_write, reg.workers, desc="write", progress=reg.progress)
         tensors = [TensorEntry(name=n, dtype=dt, shape=shape, sha256=sha, file=staging.prefix + enc.tensor_files[n],
                                coding=enc.coding[n]) for n, (dt, shape, sha) in prep.entries.items()]
         raw = sum(tb.nbytes for tb in prep.tensors.values())

@@ -108,7 +108,7 @@ class Registry:
                  snapshot_every: int = 10, shard_mb: float = 256, workers: int = 0, zstd_level: int = 1,
                  chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, dense_probe: float = DEFAULT_DENSE_PROBE,
                  channels: Iterable[str] = DEFAULT_CHANNELS, rollback_depth: int = 10, keep_last: int = 5,
-                 memory_cache: int = 1, on_event: Hook | None = None) -> None:
+                 memory_cache: int = 1, on_event: Hook | None = None, progress: bool = False) -> None:
         if snapshot_every < 1 or rollback_depth < 2 or chunk_elements < 1 or memory_cache < 0:
             raise ValueError("snapshot_every >= 1, rollback_depth >= 2, chunk_elements >= 1, memory_cache >= 0")
         self.store = open_store(url)
@@ -127,6 +127,7 @@ class Registry:
         self.rollback_depth = rollback_depth
         self.keep_last = keep_last
         self.on_event = on_event
+        self.progress = progress  # tqdm bars (on stderr) for hashing, encoding, decoding, writing
         self._memory_size = memory_cache
         self._memory: OrderedDict[str, State] = OrderedDict()
         self._manifests: dict[str, Manifest] = {}
