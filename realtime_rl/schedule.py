@@ -46,11 +46,10 @@ def build_scheduler(settings, job: Callable[[], object], *, blocking: bool = Tru
     cls = BlockingScheduler if blocking else BackgroundScheduler
     sched = cls(timezone="UTC")
     s = settings.schedule
+    extra = {"next_run_time": datetime.now(UTC)} if s.run_at_start else {}
+    # One job, so a start-up run and the first tick can never overlap in this process.
     sched.add_job(job, parse_trigger(s.update_interval), id="rtrl-update", coalesce=s.coalesce,
-                  misfire_grace_time=s.misfire_grace_s, max_instances=1, replace_existing=True)
-    if s.run_at_start:
-        sched.add_job(job, "date", run_date=datetime.now(UTC), id="rtrl-update-start",
-                      misfire_grace_time=s.misfire_grace_s, max_instances=1)
+                  misfire_grace_time=s.misfire_grace_s, max_instances=1, replace_existing=True, **extra)
     return sched
 
 
