@@ -27,7 +27,7 @@ API
     v0 = reg.publish("var/models/tiny", stage="init")                     # an HF directory
     v1 = reg.publish(model.state_dict(), parent=v0.id, stage="grpo", run="run-7",
                      metrics={"pass@1": 0.61}, on_event=hook)             # aux files from the parent
-    # (or files_from=hf_dir for config/tokenizer; snapshot=True forces a full snapshot)
+    # (or source_dir=hf_dir for config/tokenizer; snapshot=True forces a full snapshot)
 
     path = reg.materialize(v1.id)            # HF dir (cached) that transformers and vLLM load
     sd = reg.load_state_dict("candidate")    # dict[str, torch.Tensor] for in-process hot swaps

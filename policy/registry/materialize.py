@@ -39,14 +39,16 @@ def read_file(reg: Registry, m: Manifest, name: str, *, writable: bool = False) 
     entry = next((f for f in m.files if f.name == name), None)
     if entry is None:
         raise CorruptVersion("file is not listed in the manifest", version=m.id, file=name)
+    tensors = [t.name for t in m.tensors if t.file == name]
+    holds = f" (holds tensor {', '.join(tensors[:3])}{', ...' if len(tensors) > 3 else ''})" if tensors else ""
     try:
         data = reg.store.read(f"versions/{m.id}/{name}", writable=writable)
     except FileNotFoundError:
-        raise CorruptVersion("file is missing", version=m.id, file=name) from None
+        raise CorruptVersion(f"file is missing{holds}", version=m.id, file=name,
+                             tensor=tensors[0] if len(tensors) == 1 else None) from None
     if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
-        tensors = [t.name for t in m.tensors if t.file == name]
-        which = f" (holds {', '.join(tensors[:3])}{', ...' if len(tensors) > 3 else ''})" if tensors else ""
-        raise CorruptVersion(f"SHA-256 mismatch{which}", version=m.id, file=name)
+        raise CorruptVersion(f"SHA-256 mismatch{holds}", version=m.id, file=name,
+                             tensor=tensors[0] if len(tensors) == 1 else None)
     return data
 
 

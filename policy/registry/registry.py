@@ -245,10 +245,10 @@ class Registry:
     # ---------------------------------------------------------------- publish
 
     def publish(self, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], *, parent: str | None = None,
-                files_from: str | os.PathLike[str] | None = None, stage: str | None = None,
+                source_dir: str | os.PathLike[str] | None = None, stage: str | None = None,
                 run: str | None = None, metrics: Mapping[str, float] | None = None,
                 snapshot: bool = False, on_event: Hook | None = None) -> VersionInfo:
-        """Publish an HF directory, or a state dict (aux files from ``files_from``, else the parent's).
+        """Publish an HF directory, or a state dict (aux files from ``source_dir``, else the parent's).
 
         Returns the new version, or the existing one if identical content was published before.
         """
@@ -260,8 +260,8 @@ class Registry:
             tensors = {str(n): from_torch(str(n), t, copy=False) for n, t in source.items()}
             aux = None
             owned = False
-            if files_from is not None:
-                aux = read_aux(files_from)
+            if source_dir is not None:
+                aux = read_aux(source_dir)
         else:
             raise PublishError(f"publish needs an HF directory or a state dict, got {type(source).__name__}")
         parent_id = self.resolve(parent) if parent is not None else None
