@@ -34,6 +34,8 @@ def _bench_settings(settings, root: Path, quick: bool):
         "rate_limit_burst": 2000})
     s.update = s.update.model_copy(update={"work_dir": str(root / "runs")})
     s.schedule = s.schedule.model_copy(update={"min_feedback": 1})
+    # Enough concurrent callers that the gateway's micro-batches fill.
+    s.simusers = s.simusers.model_copy(update={"concurrency": max(s.simusers.concurrency, 16)})
     if quick:
         s.simusers = s.simusers.model_copy(update={"requests_per_cycle": min(s.simusers.requests_per_cycle, 256)})
     return s
@@ -43,7 +45,8 @@ def _has_model(path: str | Path | None) -> bool:
     return bool(path) and (Path(path) / "config.json").is_file() and any(Path(path).glob("*.safetensors"))
 
 
-def _base_model(settings, root: Path, log) -> Path:
+def _base_model(settings, root: Path, log) -> tuple[Path, bool]:
+    """(directory, trained): ``trained`` when it comes from the registry or an offline stage's output."""
     try:
         from policy.registry import Registry
 
@@ -51,20 +54,20 @@ def _base_model(settings, root: Path, log) -> Path:
         prod = reg.channel("production")
         if prod:
             log(f"base model: production version {prod} of {settings.registry.url}")
-            return Path(reg.materialize(prod))
+            return Path(reg.materialize(prod, out_dir=root / "base")), True
     except Exception as err:  # no registry yet is normal on a fresh checkout
         log(f"base model: no registry production version ({type(err).__name__}: {err})")
     for cand in (Path(settings.grpo.out_dir) / "final", Path(settings.grpo.out_dir), Path(settings.midtrain.out_dir)):
         if _has_model(cand):
             log(f"base model: {cand}")
-            return cand
+            return cand, True
     if not _has_model(settings.model.dir):
         from policy.tiny import build_tiny_model
 
         log(f"base model: building the tiny model in {root / 'tiny'}")
-        return build_tiny_model(root / "tiny", settings.tiny)
+        return build_tiny_model(root / "tiny", settings.tiny), False
     log(f"base model: {settings.model.dir}")
-    return Path(settings.model.dir)
+    return Path(settings.model.dir), False
 
 
 class _RegistryChannels:
@@ -150,13 +153,13 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
     K = cycles or 3
     t_start = time.perf_counter()
 
-    base_dir = _base_model(settings, root, log)
+    base_dir, trained = _base_model(settings, root, log)
     base = load_policy(base_dir, s.model.dtype, s.model.device)
     evaluator = default_evaluator(s, base.tokenizer)
     base_pass = evaluator(base.model)
     log(f"base held-out pass@1 {base_pass:.3f} (gate {s.eval.gate_threshold})")
     warmup: dict[str, Any] = {}
-    if base_pass < s.eval.gate_threshold:
+    if base_pass < s.eval.gate_threshold and not trained:
         from offline_rl.midtrain import run_midtrain
 
         steps = 200 if quick else s.midtrain.steps
@@ -169,6 +172,9 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
         warmup = {"midtrain_steps": steps, "midtrain_s": round(time.perf_counter() - t0, 1), "pass_at_1": base_pass}
         log(f"after mid-training: held-out pass@1 {base_pass:.3f}")
 
+    if base_pass < s.eval.gate_threshold:
+        log(f"warning: the base model's pass@1 {base_pass:.3f} is below the gate {s.eval.gate_threshold}: the "
+            "offline check will refuse every candidate (run the offline stage further, or lower eval.gate_threshold)")
     store = RegistryStore(s)
     base_version = store.publish(base_dir, parent=None, metrics={"offline_pass_at_1": base_pass})
     store.promote(base_version, "production")
@@ -272,6 +278,8 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
         "versions": out_versions,
         "per_cycle": cycles_out,
         "warmup": warmup,
+        "base_pass_at_1": base_pass,
+        "base_below_gate": base_pass < s.eval.gate_threshold,
         "bench_dir": str(root),
         "total_s": round(time.perf_counter() - t_start, 1),
     }
