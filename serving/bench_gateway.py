@@ -1,6 +1,8 @@
 """`rtrl bench gateway`: what the gateway adds on top of the engine, throughput, and hot-swap cost.
 
-Phases (all over loopback HTTP with keep-alive `httpx` clients, on temporary keys/bus/spill paths):
+Phases (over loopback HTTP with keep-alive `httpx` clients, on temporary keys/bus/spill paths). The
+HTTP clients run in a separate process, as real callers would: in the gateway's own process their
+Python work would compete with the server for the GIL and be counted as gateway overhead.
 
 1. **Overhead, paired.** Sequentially, request *i* is run once directly on the engine
    (``engine.generate_now``: the same micro-batcher, no HTTP) and once through the gateway with the
@@ -69,8 +71,59 @@ def _point(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def run(settings, quick: bool, log) -> dict:
+def _client_main(url: str, key: str, conn) -> None:
+    """The load-generating process: answers commands from the benchmark over a pipe."""
     import httpx
+
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "exit":
+                return
+            if cmd[0] == "one":
+                t0 = time.perf_counter()
+                r = http.post("/v1/completions", json=cmd[1])
+                ms = (time.perf_counter() - t0) * 1000
+                conn.send((r.status_code, ms, float(r.headers.get("x-rtrl-overhead-ms", "nan"))))
+                continue
+            _, body, seconds, concurrency = cmd  # "load": for `seconds`, or until "stop" if None
+            stop = threading.Event()
+            lat: list[float] = []
+            errors: list[str] = []
+
+            def worker(w: int, body=body, stop=stop, lat=lat, errors=errors) -> None:
+                with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+                    i = 0
+                    while not stop.is_set():
+                        i += 1
+                        t0 = time.perf_counter()
+                        try:
+                            r = c.post("/v1/completions", json={**body, "seed": w * 1_000_000 + i})
+                            ok, why = r.status_code == 200, f"status {r.status_code}"
+                        except Exception as err:  # noqa: BLE001 - every failure is counted
+                            ok, why = False, repr(err)
+                        if ok:
+                            lat.append((time.perf_counter() - t0) * 1000)
+                        else:
+                            errors.append(why)
+
+            threads = [threading.Thread(target=worker, args=(w,)) for w in range(concurrency)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            conn.send("started")
+            if seconds is None:
+                conn.recv()
+            else:
+                time.sleep(seconds)
+            stop.set()
+            for t in threads:
+                t.join()
+            conn.send((lat, errors, time.perf_counter() - t0))
+
+
+def run(settings, quick: bool, log) -> dict:
     from tqdm import tqdm
 
     from policy.sampling import SamplingParams
@@ -106,7 +159,6 @@ def run(settings, quick: bool, log) -> dict:
         gw = server.gateway
         engine = gw.engine
         ids = engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
-        headers = {"Authorization": f"Bearer {key}"}
 
         def body(seed: int) -> dict:
             return {"model": s.model.name, "prompt": PROMPT, "max_tokens": max_tokens, "seed": seed}
@@ -115,93 +167,89 @@ def run(settings, quick: bool, log) -> dict:
             engine.generate_now([ids], [SamplingParams(max_new_tokens=max_tokens, seed=seed)], timeout=60)
 
         try:
-            # 1. Paired overhead.
-            overhead, server_side, direct_ms, gateway_ms = [], [], [], []
-            with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("spawn")
+            parent_conn, child_conn = ctx.Pipe()
+            client = ctx.Process(target=_client_main, args=(server.url, key, child_conn), daemon=True)
+            client.start()
+            try:
+                # 1. Paired overhead.
+                overhead, server_side, direct_ms, gateway_ms = [], [], [], []
                 for i in range(5):  # warm up both paths
                     direct(i)
-                    http.post("/v1/completions", json=body(i))
+                    parent_conn.send(("one", body(i)))
+                    parent_conn.recv()
                 for i in tqdm(range(n_paired), desc="paired overhead", disable=None):
                     t0 = time.perf_counter()
                     direct(10_000 + i)
-                    t1 = time.perf_counter()
-                    r = http.post("/v1/completions", json=body(10_000 + i))
-                    t2 = time.perf_counter()
-                    r.raise_for_status()
-                    direct_ms.append((t1 - t0) * 1000)
-                    gateway_ms.append((t2 - t1) * 1000)
-                    overhead.append(gateway_ms[-1] - direct_ms[-1])
-                    server_side.append(float(r.headers["x-rtrl-overhead-ms"]))
-            log(f"overhead p50 {_pct(overhead, .5):.2f} ms (server-side {_pct(server_side, .5):.3f} ms); "
-                f"direct p50 {_pct(direct_ms, .5):.1f} ms")
+                    direct_ms.append((time.perf_counter() - t0) * 1000)
+                    parent_conn.send(("one", body(10_000 + i)))
+                    status, ms, server_ms = parent_conn.recv()
+                    if status != 200:
+                        raise RuntimeError(f"gateway answered {status} in the overhead phase")
+                    gateway_ms.append(ms)
+                    overhead.append(ms - direct_ms[-1])
+                    server_side.append(server_ms)
+                log(f"overhead p50 {_pct(overhead, .5):.2f} ms (server-side {_pct(server_side, .5):.3f} ms); "
+                    f"direct p50 {_pct(direct_ms, .5):.1f} ms")
 
-            # 2. Throughput: gateway, then the engine directly, same concurrency.
-            def load(fn, seconds: float, errors: list, lat: list, stop: threading.Event | None = None):
-                end = time.monotonic() + seconds
+                # 2. Throughput: gateway (clients in the other process), then the engine directly.
+                results = {}
+                parent_conn.send(("load", body(0), duration_s, concurrency))
+                parent_conn.recv()
+                lat, errors, elapsed = parent_conn.recv()
+                results["gateway"] = {"rps": len(lat) / elapsed, "p50": _pct(lat, .5), "p99": _pct(lat, .99),
+                                      "errors": len(errors)}
+                lat, errors = [], []
+                end = time.monotonic() + duration_s
 
-                def worker(w: int) -> None:
-                    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
-                        i = 0
-                        while (stop is None and time.monotonic() < end) or (stop is not None and not stop.is_set()):
-                            i += 1
-                            t0 = time.perf_counter()
-                            try:
-                                ok, why = fn(http, w * 1_000_000 + i), "non-200 status"
-                            except Exception as err:  # noqa: BLE001 - every failure is counted
-                                ok, why = False, repr(err)
-                            if ok:
-                                lat.append((time.perf_counter() - t0) * 1000)
-                            else:
-                                errors.append(why)
+                def direct_worker(w: int) -> None:
+                    i = 0
+                    while time.monotonic() < end:
+                        i += 1
+                        t0 = time.perf_counter()
+                        direct(w * 1_000_000 + i)
+                        lat.append((time.perf_counter() - t0) * 1000)
 
-                threads = [threading.Thread(target=worker, args=(w,)) for w in range(concurrency)]
+                t0 = time.perf_counter()
+                threads = [threading.Thread(target=direct_worker, args=(w,)) for w in range(concurrency)]
                 for t in threads:
                     t.start()
-                return threads
-
-            def via_gateway(http, seed):
-                return http.post("/v1/completions", json=body(seed)).status_code == 200
-
-            def via_engine(http, seed):
-                direct(seed)
-                return True
-
-            results = {}
-            for name, fn in (("gateway", via_gateway), ("direct", via_engine)):
-                errors: list = []
-                lat: list = []
-                t0 = time.perf_counter()
-                for t in load(fn, duration_s, errors, lat):
+                for t in threads:
                     t.join()
-                elapsed = time.perf_counter() - t0
-                results[name] = {"rps": len(lat) / elapsed, "p50": _pct(lat, .5), "p99": _pct(lat, .99),
-                                 "errors": len(errors)}
-                log(f"{name}: {results[name]['rps']:.1f} req/s, p50 {results[name]['p50']:.1f} ms, "
-                    f"p99 {results[name]['p99']:.1f} ms at concurrency {concurrency}")
+                results["direct"] = {"rps": len(lat) / (time.perf_counter() - t0), "p50": _pct(lat, .5),
+                                     "p99": _pct(lat, .99), "errors": 0}
+                for name, r in results.items():
+                    log(f"{name}: {r['rps']:.1f} req/s, p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms at "
+                        f"concurrency {concurrency}")
 
-            # 3. Five swaps under load.
-            errors, lat = [], []
-            stop = threading.Event()
-            pauses_before = len(engine.swap_pauses_s)
-            threads = load(via_gateway, 0, errors, lat, stop)
-            time.sleep(0.5)
-            swap_wall = []
-            for k in tqdm(range(1, 6), desc="swaps under load", disable=None):
-                t0 = time.perf_counter()
-                _point(link, versions[k])
-                deadline = time.monotonic() + 60
-                while engine.versions().get("production") != f"bench-v{k}":
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"swap to bench-v{k} not seen within 60 s: {gw.watcher.last_error}")
-                    time.sleep(0.005)
-                swap_wall.append(time.perf_counter() - t0)
+                # 3. Five swaps under load.
+                pauses_before = len(engine.swap_pauses_s)
+                parent_conn.send(("load", body(0), None, concurrency))
+                parent_conn.recv()
                 time.sleep(0.5)
-            stop.set()
-            for t in threads:
-                t.join()
-            pauses = [p * 1000 for p in engine.swap_pauses_s[pauses_before:]]
-            events_pending = gw.emitter.pending
-            log(f"swap pauses (ms): {', '.join(f'{p:.2f}' for p in pauses)}; failed requests: {len(errors)}")
+                swap_wall = []
+                for k in tqdm(range(1, 6), desc="swaps under load", disable=None):
+                    t0 = time.perf_counter()
+                    _point(link, versions[k])
+                    deadline = time.monotonic() + 60
+                    while engine.versions().get("production") != f"bench-v{k}":
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"swap to bench-v{k} not seen within 60 s: {gw.watcher.last_error}")
+                        time.sleep(0.005)
+                    swap_wall.append(time.perf_counter() - t0)
+                    time.sleep(0.5)
+                parent_conn.send("stop")
+                lat, errors, _ = parent_conn.recv()
+                pauses = [p * 1000 for p in engine.swap_pauses_s[pauses_before:]]
+                gw.emitter.wait_idle(30)
+                events_pending = gw.emitter.pending
+                log(f"swap pauses (ms): {', '.join(f'{p:.2f}' for p in pauses)}; failed requests: {len(errors)}"
+                    + (f" (first: {errors[0]})" if errors else ""))
+            finally:
+                parent_conn.send(("exit",))
+                client.join(30)
         finally:
             server.stop()
         return {
