@@ -85,8 +85,7 @@ class KeyStore:
             raise KeyStoreError("a key name must be 1-100 characters")
         with self._lock:
             self._load()
-            if any(k.name == name and not k.revoked for k in self._keys.values()):
-                raise KeyStoreError(f"an active key named {name!r} exists (revoke it first)")
+            # Names need not be unique (a re-run demo registers its simulated users again); the key id is.
             key_id = secrets.token_hex(6)
             secret, salt = secrets.token_urlsafe(32), secrets.token_hex(16)
             self._keys[key_id] = StoredKey(key_id=key_id, name=name, salt=salt, sha256=_digest(salt, secret),
@@ -95,6 +94,7 @@ class KeyStore:
         return f"{KEY_PREFIX}-{key_id}-{secret}"
 
     def revoke(self, name_or_id: str) -> StoredKey:
+        """Revoke the key with this id, or every active key with this name."""
         with self._lock:
             self._load()
             matches = [k for k in self._keys.values()

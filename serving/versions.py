@@ -31,10 +31,12 @@ class VersionRef:
     """A version on a channel; its HF directory is located (e.g. materialised) only when first asked for,
     so that polling an unchanged channel costs a channel read, not a checksum pass over the weights."""
 
-    def __init__(self, version: str, model_dir: Path | Callable[[], Path], channel: str = "production") -> None:
+    def __init__(self, version: str, model_dir: str | Path | Callable[[], str | Path],
+                 channel: str = "production") -> None:
         self.version, self.channel = version, channel
-        self._dir = model_dir if isinstance(model_dir, Path) else None
-        self._locate = None if isinstance(model_dir, Path) else model_dir
+        lazy = callable(model_dir)
+        self._dir = None if lazy else Path(model_dir)
+        self._locate = model_dir if lazy else None
         self._lock = threading.Lock()
 
     @property

@@ -22,13 +22,13 @@ def test_keys_are_stored_hashed_and_revocable(tmp_path):
     assert store.authenticate(key) == key_id
     assert store.authenticate(key[:-1] + ("A" if key[-1] != "A" else "B")) is None
     assert store.authenticate("Bearer nonsense") is None and store.authenticate("") is None
-    with pytest.raises(KeyStoreError):
-        store.create("alice")
+    second = store.create("alice")  # names may repeat; ids do not
+    assert second.split("-")[1] != key_id and store.authenticate(second) == second.split("-")[1]
     # Another process (the CLI) revokes: this store sees the file change.
     KeyStore(tmp_path / "keys.json").revoke("alice")
-    assert store.authenticate(key) is None
+    assert store.authenticate(key) is None and store.authenticate(second) is None
     assert store.create("alice") != key
-    assert [k.revoked for k in store.list()] == [True, False]
+    assert [k.revoked for k in store.list()] == [True, True, False]
     with pytest.raises(KeyStoreError):
         store.revoke("nobody")
 
