@@ -199,8 +199,6 @@ class Ingester:
         now = utcnow()
         with self.engine.begin() as conn:
             self._advance(conn, batch.before, batch.after, now)
-        time.sleep(0.05)
-        with self.engine.begin() as conn:
             result = self._write(conn, batch.decoded, now)
         self.positions = batch.after
         self.stats.records += len(batch.decoded)
