@@ -44,6 +44,11 @@ class ServingSettings(_Section):
     request_timeout_s: float = Field(120.0, gt=0, description="A request waiting longer than this for the "
                                      "engine gets 503.")
 
+    gil_switch_interval_ms: float = Field(0.0, ge=0, description="If > 0, sys.setswitchinterval for the "
+                                          "gateway process: a shorter interval hands the GIL from the engine "
+                                          "thread to the HTTP loop sooner (lower tail latency, a little more "
+                                          "switching). 0 keeps Python's default (5 ms).")
+
     # vLLM engine.
     vllm_kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024,
                                      description="vLLM KV cache size in bytes (kv_cache_memory_bytes).")

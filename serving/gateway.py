@@ -60,6 +60,9 @@ class Gateway:
                                     fsync=s.spill_fsync, linger_s=s.emit_linger_ms / 1000, metrics=self.metrics)
         self.watcher = VersionWatcher(self.source, self.engine, s.poll_interval_s, self.metrics,
                                       on_swap=self._on_swap)
+        if s.canary_share > 0 and not self.engine.supports_candidate:
+            log.warning("serving.canary_share=%s ignored: the %s engine serves one version at a time",
+                        s.canary_share, s.engine)
         self.follower = (VersionEventFollower(settings.bus, self.model_name, self.watcher)
                          if s.follow_version_events else None)
         self._live: dict[str, str] = {}
@@ -74,6 +77,10 @@ class Gateway:
 
     def start(self) -> None:
         """Load the production version (blocking), then start the watcher and the event sender."""
+        if self.settings.serving.gil_switch_interval_ms > 0:
+            import sys
+
+            sys.setswitchinterval(self.settings.serving.gil_switch_interval_ms / 1000)
         self.emitter.start()
         try:
             swaps = self.watcher.sync()
