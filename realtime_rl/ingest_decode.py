@@ -28,7 +28,6 @@ REASONS = (OVERSIZED, UNDECODABLE, SCHEMA_INVALID, CONFLICT, DB_REJECTED)
 
 MAX_ID_CHARS = 128
 """Ids and names are stored as VARCHAR(128) (PostgreSQL enforces it; SQLite would not)."""
-_ID_FIELDS = ("event_id", "completion_id", "caller", "model", "version", "task_bucket", "parent", "channel")
 _LOGPROB_SLACK = 1e-4
 """Log-probs a hair above 0 come from float rounding of probabilities near 1; more is a bug."""
 
@@ -70,34 +69,48 @@ def _summarise(errors: list[dict]) -> str:
     return "; ".join(parts) + more
 
 
+def _too_long(*values: str | None) -> bool:
+    return any(v is not None and len(v) > MAX_ID_CHARS for v in values)
+
+
+def _bad_logprobs(values: list[float] | None) -> bool:
+    # A NaN or an infinity makes the sum non-finite: one test per list instead of one per value.
+    return bool(values) and not (math.isfinite(sum(values)) and max(values) <= _LOGPROB_SLACK)
+
+
 def semantic_problem(event: Event, may_contain_nul: bool = True) -> str | None:
-    """What is wrong with a schema-valid event, or None."""
+    """What is wrong with a schema-valid event, or None (straight-line: this runs for every event)."""
     if may_contain_nul:
         for name, value in event:
             if isinstance(value, str) and "\x00" in value:
                 return f"{name}: contains a NUL character"
-    for name in _ID_FIELDS:
-        value = getattr(event, name, None)
-        if value is not None and len(value) > MAX_ID_CHARS:
-            return f"{name}: longer than {MAX_ID_CHARS} characters"
     if isinstance(event, CompletionEvent):
-        n = len(event.completion_token_ids)
-        for name in ("logprobs", "sampling_logprobs", "expert_ids"):
-            values = getattr(event, name)
-            if values is not None and len(values) != n:
-                return f"{name}: {len(values)} entries for {n} completion tokens"
-        for name in ("logprobs", "sampling_logprobs"):
-            values = getattr(event, name)
-            # A NaN or an infinity makes the sum non-finite; one test per list instead of per value.
-            if values and not (math.isfinite(sum(values)) and max(values) <= _LOGPROB_SLACK):
-                return f"{name}: log-probs must be finite and <= 0"
-        if not math.isfinite(event.latency_ms) or event.latency_ms < 0:
+        e = event
+        if _too_long(e.event_id, e.completion_id, e.caller, e.model, e.version, e.task_bucket):
+            return f"an id or name is longer than {MAX_ID_CHARS} characters"
+        n = len(e.completion_token_ids)
+        if len(e.logprobs) != n:
+            return f"logprobs: {len(e.logprobs)} entries for {n} completion tokens"
+        if e.sampling_logprobs is not None and len(e.sampling_logprobs) != n:
+            return f"sampling_logprobs: {len(e.sampling_logprobs)} entries for {n} completion tokens"
+        if e.expert_ids is not None and len(e.expert_ids) != n:
+            return f"expert_ids: {len(e.expert_ids)} entries for {n} completion tokens"
+        if _bad_logprobs(e.logprobs) or _bad_logprobs(e.sampling_logprobs):
+            return "logprobs: log-probs must be finite and <= 0"
+        if not (math.isfinite(e.latency_ms) and e.latency_ms >= 0):
             return "latency_ms: must be finite and >= 0"
     elif isinstance(event, FeedbackEvent):
-        if event.signal == "edit" and event.kept_text is None:
+        e = event
+        if _too_long(e.event_id, e.completion_id, e.caller, e.version):
+            return f"an id or name is longer than {MAX_ID_CHARS} characters"
+        if e.signal == "edit" and e.kept_text is None:
             return "kept_text: required when signal is 'edit'"
-        if event.score is not None and not (math.isfinite(event.score) and -1.0 <= event.score <= 1.0):
+        if e.score is not None and not (math.isfinite(e.score) and -1.0 <= e.score <= 1.0):
             return "score: must be in [-1, 1]"
-    elif isinstance(event, ModelVersionEvent) and not all(math.isfinite(v) for v in event.metrics.values()):
-        return "metrics: values must be finite"
+    else:
+        e = event
+        if _too_long(e.event_id, e.model, e.version, e.parent, e.channel):
+            return f"an id or name is longer than {MAX_ID_CHARS} characters"
+        if not all(math.isfinite(v) for v in e.metrics.values()):
+            return "metrics: values must be finite"
     return None
