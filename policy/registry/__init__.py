@@ -40,6 +40,12 @@ API
 
 A *ref* is a version id, a unique prefix of one (4+ digits), a channel name, or ``latest``.
 
+A state dict is stored exactly as given: publish the tensors ``save_pretrained`` would write (with
+tied embeddings, ``model.state_dict()`` also holds ``lm_head.weight``; leave it out, or it is stored
+as a tensor of its own). The registry keeps the last ``memory_cache`` versions' bits in memory (its
+own copies), so publishing version N+1 against N, or loading N right after publishing it, decodes
+nothing; tensors returned by ``load_state_dict`` are the caller's to modify.
+
 Hooks: ``Registry(..., on_event=f)`` and the ``on_event`` argument of publish/promote/rollback
 receive a :class:`RegistryEvent` (action, version, parent, channel, sha256, metrics) after the
 change is committed, so that a caller can emit a ``model_version`` event; the registry does not
