@@ -15,6 +15,7 @@ swaps between batches (see :mod:`serving.engines.base`).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -134,6 +135,8 @@ class VersionWatcher:
         self.source, self.engine, self.interval_s = source, engine, interval_s
         self.metrics, self.on_swap = metrics, on_swap
         self.last_error: str | None = None
+        # (channel, version, pause_s) of every hot swap after start-up, for reports; bounded.
+        self.history: collections.deque[tuple[str, str, float]] = collections.deque(maxlen=1000)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -158,6 +161,8 @@ class VersionWatcher:
                 if self.metrics is not None and live is not None:  # the first load is start-up, not a pause
                     self.metrics.swap_pause.observe(pause)
                     self.metrics.swaps.labels(channel).inc()
+                if live is not None:
+                    self.history.append((channel, ref.version, pause))
                 swaps.append((channel, ref.version, pause))
                 if self.on_swap is not None:
                     self.on_swap(channel, ref.version)
