@@ -156,6 +156,7 @@ class Engine(ABC):
         pause = fut.result()
         if not first:
             self.swap_pauses_s.append(pause)
+            del self.swap_pauses_s[:-1000]  # bounded: a long-lived gateway swaps every few hours
         return pause
 
     def drop(self, channel: str) -> None:
