@@ -218,6 +218,13 @@ def test_revoked_key_rate_limit_and_overload(live):
         assert busy.status_code == 503 and busy.headers["Retry-After"]
     finally:
         gw.engine.max_queue = max_queue
+    timeout, settings.serving.request_timeout_s = settings.serving.request_timeout_s, 0.001
+    try:
+        slow = post(server, "/v1/completions", alice, {**good, "max_tokens": 40})
+        assert slow.status_code == 503 and slow.json()["error"]["code"] == "timeout"
+        assert slow.headers["Retry-After"]
+    finally:
+        settings.serving.request_timeout_s = timeout
     assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
     ready = httpx.get(server.url + "/readyz").json()
     assert ready["status"] == "ready" and ready["versions"]["production"]
