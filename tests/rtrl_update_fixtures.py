@@ -61,7 +61,7 @@ def accept_rule(token_ids: list[int]) -> bool:
     return token_ids[0] % 2 == 0
 
 
-def insert_logged(settings: Settings, version: str, model_dir: Path, *, n: int = 360, seed: int = 0,
+def insert_logged(settings: Settings, version: str, model_dir: Path, *, n: int = 240, seed: int = 0,
                   callers: int = 12, start: datetime | None = None) -> int:
     """Sample ``n`` completions from the model and write them as judged training examples."""
     import sqlalchemy as sa
