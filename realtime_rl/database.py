@@ -47,8 +47,8 @@ def make_engine(db: DatabaseSettings | str, *, readonly: bool = False) -> sa.Eng
     connect_args: dict = {}
     if url.get_backend_name() == "postgresql":
         connect_args["connect_timeout"] = settings.connect_timeout_s
-        if readonly:
-            connect_args["options"] = "-c default_transaction_read_only=on"
+        # UTC sessions: an offset-less timestamp means the same instant in SQL as in Python.
+        connect_args["options"] = "-c timezone=UTC" + (" -c default_transaction_read_only=on" if readonly else "")
     return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args, **_JSON_ARGS)
 
 

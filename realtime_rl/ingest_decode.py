@@ -12,10 +12,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from realtime_rl.bus.base import Record
-from realtime_rl.events import CompletionEvent, FeedbackEvent, ModelVersionEvent, decode_event
+from realtime_rl.events import (
+    MAX_EVENT_BYTES,
+    CompletionEvent,
+    FeedbackEvent,
+    ModelVersionEvent,
+    SamplingRecord,
+    decode_event,
+)
+from realtime_rl.events import Event as EventUnion
 
 Event = CompletionEvent | FeedbackEvent | ModelVersionEvent
 
@@ -38,6 +46,22 @@ class Decoded:
     event: Event | None = None
     reason: str | None = None
     detail: str | None = None
+    canonical: bool = False
+    """The raw bytes are strictly typed JSON with every field present: storable as received."""
+
+
+_STRICT: TypeAdapter[Event] = TypeAdapter(EventUnion)
+
+
+# Field counts looked up once: ``Model.model_fields`` is a comparatively slow descriptor.
+_N_FIELDS = {cls: len(cls.model_fields) for cls in (CompletionEvent, FeedbackEvent, ModelVersionEvent)}
+_N_SAMPLING_FIELDS = len(SamplingRecord.model_fields)
+
+
+def _all_fields_set(event: Event) -> bool:
+    if len(event.model_fields_set) != _N_FIELDS[type(event)]:
+        return False
+    return not isinstance(event, CompletionEvent) or len(event.sampling.model_fields_set) == _N_SAMPLING_FIELDS
 
 
 def decode_record(record: Record, max_event_bytes: int) -> Decoded:
@@ -45,19 +69,48 @@ def decode_record(record: Record, max_event_bytes: int) -> Decoded:
     if len(value) > max_event_bytes:
         return Decoded(record, reason=OVERSIZED,
                        detail=f"{len(value)} bytes exceeds the {max_event_bytes}-byte limit")
+    if len(value) > MAX_EVENT_BYTES:
+        return Decoded(record, reason=OVERSIZED,
+                       detail=f"{len(value)} bytes exceeds the schema's {MAX_EVENT_BYTES}-byte limit")
     try:
-        event = decode_event(value)
-    except ValidationError as err:
-        errors = err.errors(include_url=False)
-        undecodable = any(e["type"].startswith("json") for e in errors)
-        return Decoded(record, reason=UNDECODABLE if undecodable else SCHEMA_INVALID,
-                       detail=_summarise(errors))
-    except ValueError as err:  # decode_event's own size limit
-        return Decoded(record, reason=OVERSIZED, detail=str(err))
+        # Strict first: what the gateway sends passes, and is then known to need no coercion.
+        event = _STRICT.validate_json(value, strict=True)
+        canonical = _all_fields_set(event)
+    except ValidationError:
+        try:
+            event = decode_event(value)  # the schema's own (lax) rules decide what is valid
+        except ValidationError as err:
+            errors = err.errors(include_url=False)
+            undecodable = any(e["type"].startswith("json") for e in errors)
+            return Decoded(record, reason=UNDECODABLE if undecodable else SCHEMA_INVALID,
+                           detail=_summarise(errors))
+        canonical = False
     problem = semantic_problem(event, may_contain_nul=b"\\u0000" in value)
+    if problem is None and (b"\\ud" in value or b"\\uD" in value):
+        problem = _unencodable(event)
     if problem is not None:
         return Decoded(record, reason=SCHEMA_INVALID, detail=problem)
-    return Decoded(record, event=event)
+    return Decoded(record, event=event, canonical=canonical)
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _unencodable(event: Event) -> str | None:
+    """Lone UTF-16 surrogates (``\\ud800``) are valid JSON escapes but not storable text."""
+    for text in _strings(event.model_dump()):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return "a string holds a lone UTF-16 surrogate (not valid UTF-8 text)"
+    return None
 
 
 def _summarise(errors: list[dict]) -> str:
@@ -70,7 +123,7 @@ def _summarise(errors: list[dict]) -> str:
 
 
 def _too_long(*values: str | None) -> bool:
-    return any(v is not None and len(v) > MAX_ID_CHARS for v in values)
+    return max(map(len, filter(None, values)), default=0) > MAX_ID_CHARS
 
 
 def _bad_logprobs(values: list[float] | None) -> bool:
@@ -80,10 +133,8 @@ def _bad_logprobs(values: list[float] | None) -> bool:
 
 def semantic_problem(event: Event, may_contain_nul: bool = True) -> str | None:
     """What is wrong with a schema-valid event, or None (straight-line: this runs for every event)."""
-    if may_contain_nul:
-        for name, value in event:
-            if isinstance(value, str) and "\x00" in value:
-                return f"{name}: contains a NUL character"
+    if may_contain_nul and any("\x00" in text for text in _strings(event.model_dump())):
+        return "a string contains a NUL character"
     if isinstance(event, CompletionEvent):
         e = event
         if _too_long(e.event_id, e.completion_id, e.caller, e.model, e.version, e.task_bucket):

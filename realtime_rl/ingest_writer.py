@@ -14,9 +14,10 @@ failed flush causes no duplicates), then set-based statements keep the derived t
    the ones that just joined (feedback that arrived first is joined when its completion arrives);
 5. model-version actions (history) and the per-version summary derived from them.
 
-On PostgreSQL, large batches of completions and feedback are staged with COPY into temporary
-tables and moved with one ``INSERT ... SELECT ... ON CONFLICT`` each, and id lists travel as one
-array parameter (``= ANY(...)``), so no statement grows with the batch.
+On PostgreSQL, large batches of completions and feedback are staged as JSON documents with COPY
+into temporary tables; the server extracts the columns and moves them with one ``INSERT ... SELECT
+... ON CONFLICT`` each; id lists travel as one array parameter (``= ANY(...)``). So no statement
+grows with the batch, and the per-event work left in Python is validation.
 """
 
 from __future__ import annotations
@@ -30,14 +31,13 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from realtime_rl import tables as t
-from realtime_rl.database import json_text
 from realtime_rl.events import CompletionEvent, FeedbackEvent, ModelVersionEvent
 from realtime_rl.ingest_decode import CONFLICT, Decoded
 
 _IN_CHUNK = 2000
 """Ids per ``IN (...)`` list: well inside SQLite's and PostgreSQL's bound-parameter limits."""
 _COPY_MIN_ROWS = 200
-"""Below this many completions a plain multi-row INSERT is as fast as staging with COPY."""
+"""Below this many events a plain multi-row INSERT is as fast as staging with COPY."""
 
 
 @dataclass
@@ -107,8 +107,8 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
     """Write ``items`` (already decoded; failures carry a reason) inside the open transaction."""
     result = WriteResult()
     dead: list[dict[str, Any]] = []
-    completions: dict[str, tuple[Decoded, dict[str, Any]]] = {}
-    feedback: dict[str, dict[str, Any]] = {}
+    completions: dict[str, Decoded] = {}
+    feedback: dict[str, Decoded] = {}
     versions: dict[str, ModelVersionEvent] = {}
     seen_events: set[str] = set()
     for item in items:
@@ -125,29 +125,41 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
                 dead.append(dead_letter_row(item, now, max_raw, CONFLICT, "completion_id "
                                             f"{event.completion_id!r} already used by another event in this batch"))
                 continue
-            completions[event.completion_id] = (item, _completion_row(event, now))
+            completions[event.completion_id] = item
         elif isinstance(event, FeedbackEvent):
-            feedback[event.event_id] = _feedback_row(event, now)
+            feedback[event.event_id] = item
         else:
             versions[event.event_id] = event
+    staged = use_copy and _can_copy(conn) and len(completions) + len(feedback) >= _COPY_MIN_ROWS
 
     new_completion_ids: list[str] = []
     if completions:
-        new_completion_ids = _bulk_insert(conn, t.completions, [row for _, row in completions.values()],
-                                          t.completions.c.completion_id, use_copy)
+        if staged:
+            new_completion_ids = _copy_json_insert(conn, "completions", _COMPLETIONS_FROM_JSON,
+                                                   [(_json_doc(i),) for i in completions.values()], now)
+        else:
+            stmt = dialect_insert(conn, t.completions).on_conflict_do_nothing().returning(t.completions.c.completion_id)
+            rows = [_completion_row(i.event, now) for i in completions.values()]
+            new_completion_ids = list(conn.execute(stmt, rows).scalars().all())
         result.completions = len(new_completion_ids)
         rejected = set(completions) - set(new_completion_ids)
         if rejected:
-            dups, conflicts = _classify_rejected(conn, {cid: completions[cid][1]["event_id"] for cid in rejected})
+            wanted = {cid: completions[cid].event.event_id for cid in rejected}
+            dups, conflicts = _classify_rejected(conn, wanted)
             result.duplicates += dups
             for cid, why in conflicts.items():
-                dead.append(dead_letter_row(completions[cid][0], now, max_raw, CONFLICT, why))
+                dead.append(dead_letter_row(completions[cid], now, max_raw, CONFLICT, why))
 
     feedback_ids: set[str] = set()
     if feedback:
-        rows = list(feedback.values())
-        _newest_first_in_batch(rows)
-        inserted = _bulk_insert(conn, t.feedback, rows, t.feedback.c.completion_id, use_copy)
+        newest = _newest_in_batch([i.event for i in feedback.values()])
+        if staged:
+            docs = [(_json_doc(i), i.event.event_id in newest) for i in feedback.values()]
+            inserted = _copy_json_insert(conn, "feedback", _FEEDBACK_FROM_JSON, docs, now)
+        else:
+            rows = [_feedback_row(i.event, now) | {"is_latest": i.event.event_id in newest} for i in feedback.values()]
+            stmt = dialect_insert(conn, t.feedback).on_conflict_do_nothing().returning(t.feedback.c.completion_id)
+            inserted = list(conn.execute(stmt, rows).scalars().all())
         result.feedback = len(inserted)
         result.duplicates += len(feedback) - len(inserted)
         feedback_ids = set(inserted)
@@ -174,41 +186,55 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
     return result
 
 
-def _bulk_insert(conn: sa.Connection, table: sa.Table, rows: list[dict[str, Any]], returning: sa.Column,
-                 use_copy: bool) -> list[Any]:
-    """``INSERT ... ON CONFLICT DO NOTHING RETURNING <returning>`` for many rows; the inserted values."""
-    if use_copy and _can_copy(conn) and len(rows) >= _COPY_MIN_ROWS:
-        return _copy_insert(conn, table, rows, returning)
-    stmt = dialect_insert(conn, table).on_conflict_do_nothing().returning(returning)
-    return list(conn.execute(stmt, rows).scalars().all())
-
-
 def _can_copy(conn: sa.Connection) -> bool:
     return conn.dialect.name == "postgresql" and conn.dialect.driver == "psycopg"
 
 
-def _copy_insert(conn: sa.Connection, table: sa.Table, rows: list[dict[str, Any]], returning: sa.Column) -> list[Any]:
-    """COPY into a temp table emptied at every commit, then one INSERT ... SELECT ... ON CONFLICT.
+def _json_doc(item: Decoded) -> str:
+    """The event as JSON for staging: the bytes as received when canonical, else re-serialised."""
+    if item.canonical:
+        return item.record.value.decode()
+    return item.event.model_dump_json()
 
-    Staging avoids rendering (and the driver re-parsing) a statement with one placeholder per value.
+
+# PostgreSQL reads the fields out of the staged JSON itself (server side, in C, on its own core).
+# Canonical events (``Decoded.canonical``: strictly typed, every field present) carry exactly the
+# values the Python path would store; others are re-serialised by pydantic first.
+_COMPLETIONS_FROM_JSON = """
+INSERT INTO completions (completion_id, event_id, caller, model, version, prompt, completion, prompt_token_ids,
+                         completion_token_ids, logprobs, sampling_logprobs, expert_ids, sampling, finish_reason,
+                         latency_ms, task_bucket, choice_index, created_at, ingested_at)
+SELECT j->>'completion_id', j->>'event_id', j->>'caller', j->>'model', j->>'version', j->>'prompt',
+       j->>'completion', (j->'prompt_token_ids')::json, (j->'completion_token_ids')::json, (j->'logprobs')::json,
+       NULLIF(j->'sampling_logprobs', 'null'::jsonb)::json, NULLIF(j->'expert_ids', 'null'::jsonb)::json,
+       (j->'sampling')::json, j->>'finish_reason', (j->>'latency_ms')::float8, j->>'task_bucket',
+       (j->>'choice_index')::int, (j->>'ts')::timestamptz, %(now)s
+FROM {stage} ON CONFLICT DO NOTHING RETURNING completion_id"""
+_FEEDBACK_FROM_JSON = """
+INSERT INTO feedback (event_id, completion_id, caller, version, signal, kept_text, score, comment, created_at,
+                      ingested_at, is_latest)
+SELECT j->>'event_id', j->>'completion_id', j->>'caller', j->>'version', j->>'signal', j->>'kept_text',
+       (j->>'score')::float8, j->>'comment', (j->>'ts')::timestamptz, %(now)s, is_latest
+FROM {stage} ON CONFLICT DO NOTHING RETURNING completion_id"""
+_STAGES = {"completions": "j jsonb", "feedback": "j jsonb, is_latest boolean"}
+
+
+def _copy_json_insert(conn: sa.Connection, kind: str, insert_sql: str, docs: list[tuple], now: datetime) -> list[str]:
+    """COPY the JSON documents into a temp table emptied at every commit, then one INSERT ... SELECT.
+
+    One text field per event on the wire and no statement that grows with the batch; the session
+    time zone is UTC (see ``database.make_engine``), so an offset-less timestamp means UTC here too.
     """
-    columns = list(rows[0])
-    stage = f"rtrl_stage_{table.name}"
-    quoted = ", ".join(f'"{c}"' for c in columns)
+    stage = f"rtrl_stage_{kind}_json"
     dbapi_conn = conn.connection
     if stage not in dbapi_conn.info.setdefault("rtrl_stages", set()):
-        conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
-                             f"SELECT {quoted} FROM {table.name} WITH NO DATA")
+        conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ({_STAGES[kind]}) ON COMMIT DELETE ROWS")
         dbapi_conn.info["rtrl_stages"].add(stage)
-    json_cols = {c for c in columns if isinstance(table.c[c].type, sa.JSON)}
     cursor = dbapi_conn.driver_connection.cursor()
-    with cursor.copy(f"COPY {stage} ({quoted}) FROM STDIN") as copy:
-        for row in rows:
-            copy.write_row([json_text(row[c]) if c in json_cols and row[c] is not None else row[c]
-                            for c in columns])
-    result = conn.exec_driver_sql(f"INSERT INTO {table.name} ({quoted}) SELECT {quoted} FROM {stage} "
-                                  f'ON CONFLICT DO NOTHING RETURNING "{returning.name}"')
-    return [r[0] for r in result]
+    with cursor.copy(f"COPY {stage} FROM STDIN") as copy:
+        for doc in docs:
+            copy.write_row(doc)
+    return [r[0] for r in conn.exec_driver_sql(insert_sql.format(stage=stage), {"now": now})]
 
 
 def _in(conn: sa.Connection, column: sa.Column, ids: Sequence[str]):
@@ -236,15 +262,15 @@ def _classify_rejected(conn: sa.Connection, wanted: dict[str, str]) -> tuple[int
     return duplicates, conflicts
 
 
-def _newest_first_in_batch(rows: list[dict[str, Any]]) -> None:
-    """Pre-set ``is_latest`` on the newest row per completion *within* the batch (most are final)."""
-    best: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        cur = best.get(row["completion_id"])
-        if cur is None or (row["created_at"], row["event_id"]) > (cur["created_at"], cur["event_id"]):
-            best[row["completion_id"]] = row
-    for row in best.values():
-        row["is_latest"] = True
+def _newest_in_batch(events: list[FeedbackEvent]) -> set[str]:
+    """Event ids of the newest feedback per completion *within* the batch: ``is_latest`` is pre-set on
+    them, so that the common case (one judgement per completion) needs no correcting update."""
+    best: dict[str, FeedbackEvent] = {}
+    for e in events:
+        cur = best.get(e.completion_id)
+        if cur is None or (utc(e.ts), e.event_id) > (utc(cur.ts), cur.event_id):
+            best[e.completion_id] = e
+    return {e.event_id for e in best.values()}
 
 
 def _mark_latest(conn: sa.Connection, completion_ids: list[str]) -> None:
