@@ -99,10 +99,13 @@ def _trl(settings: Settings, init_dir: Path, work: Path, steps: int, log) -> dic
         max_completion_length=MAX_TOKENS, learning_rate=settings.grpo.lr, beta=0.0, max_steps=steps,
         logging_steps=1, save_strategy="no", report_to="none", bf16=False, use_cpu=True,
         gradient_checkpointing=False, temperature=1.0, seed=settings.grpo.seed, dataloader_num_workers=0,
-        generation_kwargs={"eos_token_id": [tok.eos_token_id, *newline]}, disable_tqdm=True,
+        disable_tqdm=True,
         epsilon=settings.grpo.clip_low, epsilon_high=settings.grpo.clip_high, loss_type="dapo",
         scale_rewards="none",
     )
+    # TRL takes its stop tokens (for generation *and* the completion mask) from the model's
+    # generation config: make the newline a stop token there, as our sampler's stop string is.
+    policy.model.generation_config.eos_token_id = [tok.eos_token_id, *newline]
     policy.model.train()
     trainer = GRPOTrainer(model=policy.model, reward_funcs=[reward], args=cfg,
                           train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,

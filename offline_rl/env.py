@@ -21,6 +21,7 @@ only on the submission, by :meth:`CodingEnv.score`.
 from __future__ import annotations
 
 import ast
+import warnings
 from dataclasses import dataclass, field
 
 from offline_rl.config import EnvSettings
@@ -39,10 +40,12 @@ def program_for(task: Task, expression: str) -> str:
 
 def compiles(source: str) -> bool:
     """Parse only (nothing runs): cheap pre-check that spares the sandbox a call."""
-    try:
-        ast.parse(source)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)  # e.g. "1x": noise from model output, not ours
+        try:
+            ast.parse(source)
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            return False
     return True
 
 

@@ -166,43 +166,55 @@ class GRPOTrainer:
         pad_id = self.tokenizer.pad_token_id
         mb = c.micro_batch
         chunks = [list(range(i, min(i + mb, len(sel)))) for i in range(0, len(sel), mb)]
-        # π_old: recompute under the trainer's current weights (no grad), with entropy for logging.
-        old_parts, ent_parts, ref_parts = [], [], []
-        for ch in chunks:
-            tl = sequence_logprobs(self.model, [prompts[i] for i in ch], [comps[i] for i in ch], with_entropy=True,
-                                   pad_token_id=pad_id)
-            old_parts.append(torch.nn.functional.pad(tl.logprobs, (0, width - tl.logprobs.shape[1])))
-            ent_parts.append(torch.nn.functional.pad(tl.entropy, (0, width - tl.entropy.shape[1])))
-            if self.ref is not None:
-                rl = sequence_logprobs(self.ref, [prompts[i] for i in ch], [comps[i] for i in ch], pad_token_id=pad_id)
-                ref_parts.append(torch.nn.functional.pad(rl.logprobs, (0, width - rl.logprobs.shape[1])))
-        old = torch.cat(old_parts)
-        entropy = torch.cat(ent_parts)
-        ref = torch.cat(ref_parts) if ref_parts else None
         mask = action
-        tis = truncated_importance_weight(old, behaviour, c.tis_cap)
-        m.update(mismatch_metrics(old, behaviour, mask))
-        m["tis_mean"] = masked_mean(tis, mask).item()
-        m["tis_truncated_frac"] = masked_mean((torch.exp(old - behaviour) > c.tis_cap).float(), mask).item()
-        m["entropy"] = masked_mean(entropy, mask).item()
         n_tok = mask.sum().clamp_min(1).item()
+        # π_old is the trainer's own log-prob of each sampled token under its current weights. With one
+        # pass over the batch those weights are exactly the ones the gradient forward uses, so π_old is
+        # that forward's output, detached (same numbers as a separate no-grad recompute, one forward
+        # fewer). With several epochs it must be frozen first, so it is recomputed up front.
+        fused = c.epochs_per_batch == 1
+        old = tis = ref = None
+        if not fused:
+            old = torch.zeros((len(sel), width), device=self.device)
+            ent = torch.zeros((len(sel), width), device=self.device)
+            for ch in chunks:
+                tl = sequence_logprobs(self.model, [prompts[i] for i in ch], [comps[i] for i in ch],
+                                       with_entropy=True, pad_token_id=pad_id)
+                old[ch, :tl.logprobs.shape[1]] = tl.logprobs
+                ent[ch, :tl.entropy.shape[1]] = tl.entropy
+            tis = truncated_importance_weight(old, behaviour, c.tis_cap)
+        if self.ref is not None:
+            ref = torch.zeros((len(sel), width), device=self.device)
+            for ch in chunks:
+                rl = sequence_logprobs(self.ref, [prompts[i] for i in ch], [comps[i] for i in ch], pad_token_id=pad_id)
+                ref[ch, :rl.logprobs.shape[1]] = rl.logprobs
         lr = self.lr_at(self.step)
         for group in self.opt.param_groups:
             group["lr"] = lr
         agg: dict[str, float] = {}
         grad_norm = 0.0
         loss_total = 0.0
+        if fused:
+            old = torch.zeros((len(sel), width), device=self.device)
+            ent = torch.zeros((len(sel), width), device=self.device)
         for _ in range(c.epochs_per_batch):
             self.opt.zero_grad(set_to_none=True)
             for ch in chunks:
                 idx = torch.tensor(ch)
                 tl = sequence_logprobs(self.model, [prompts[i] for i in ch], [comps[i] for i in ch], grad=True,
-                                       pad_token_id=pad_id)
+                                       with_entropy=fused, pad_token_id=pad_id)
                 w = tl.logprobs.shape[1]
                 cm = mask[idx][:, :w]
+                if fused:
+                    old_c = tl.logprobs.detach()
+                    old[ch, :w] = old_c
+                    ent[ch, :w] = tl.entropy.detach()
+                    tis_c = truncated_importance_weight(old_c, behaviour[idx][:, :w], c.tis_cap)
+                else:
+                    old_c, tis_c = old[idx][:, :w], tis[idx][:, :w]
                 loss, lm = grpo_policy_loss(
-                    tl.logprobs, old[idx][:, :w], adv[idx], cm, clip_low=c.clip_low, clip_high=c.clip_high,
-                    level=c.loss_level, tis_weight=tis[idx][:, :w],
+                    tl.logprobs, old_c, adv[idx], cm, clip_low=c.clip_low, clip_high=c.clip_high,
+                    level=c.loss_level, tis_weight=tis_c,
                     ref_logp=None if ref is None else ref[idx][:, :w], kl_coef=c.kl_coef)
                 share = (cm.sum().item() / n_tok) if c.loss_level == "token" else len(ch) / len(sel)
                 (loss * share).backward()
@@ -211,6 +223,12 @@ class GRPOTrainer:
                     agg[k] = agg.get(k, 0.0) + v * share
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip))
             self.opt.step()
+        if fused:
+            tis = truncated_importance_weight(old, behaviour, c.tis_cap)
+        m.update(mismatch_metrics(old, behaviour, mask))
+        m["tis_mean"] = masked_mean(tis, mask).item()
+        m["tis_truncated_frac"] = masked_mean((torch.exp(old - behaviour) > c.tis_cap).float(), mask).item()
+        m["entropy"] = masked_mean(ent, mask).item()
         self.version += 1
         self.step += 1
         e = c.epochs_per_batch

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import json
 import threading
+import warnings
 from typing import Protocol
 
 from offline_rl.config import JudgeSettings
@@ -45,10 +46,12 @@ class RuleJudge:
     dimensions = DIMENSIONS
 
     def score(self, task: Task, expression: str) -> dict[str, float]:
-        try:
-            tree = ast.parse(expression.strip(), mode="eval")
-        except (SyntaxError, ValueError, MemoryError, RecursionError):
-            return {"style": 0.0, "structure": 0.0}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            try:
+                tree = ast.parse(expression.strip(), mode="eval")
+            except (SyntaxError, ValueError, MemoryError, RecursionError):
+                return {"style": 0.0, "structure": 0.0}
         nodes = list(ast.walk(tree))
         structure = 1.0
         if any(isinstance(n, ast.Call) and not (isinstance(n.func, ast.Name) and n.func.id in SAFE_CALLS)

@@ -127,3 +127,16 @@ def test_async_staleness_bound_and_live_weight_pickup(tiny_model_dir, tmp_path):
     for r in recs:
         assert {"reward_mean", "pass_rate", "entropy", "mismatch_abs_logp", "mismatch_kl_k3", "clip_fraction",
                 "staleness", "reward_tests", "reward_format"} <= r.keys() or not r["updated"]
+
+
+def test_frozen_recompute_with_several_epochs_gives_the_same_weights(tiny_model_dir, tmp_path):
+    # epochs_per_batch > 1 recomputes π_old up front (frozen); its weights must equal the fused path's.
+    out = []
+    for epochs in (1, 2):
+        trainer = GRPOTrainer(make_settings(tmp_path, tis_cap=2.0, epochs_per_batch=epochs), tiny_model_dir)
+        trajs = batch(trainer.tokenizer, [1.0, 0.0, 0.3, 0.9])
+        fill_behaviour(trainer, trajs, lambda i, j: -0.5 if i == 0 else 0.1)
+        out.append(trainer.train_on(trajs))
+    assert out[0]["tis_mean"] == pytest.approx(out[1]["tis_mean"], rel=1e-5)
+    assert out[0]["mismatch_abs_logp"] == pytest.approx(out[1]["mismatch_abs_logp"], rel=1e-5)
+    assert out[1]["ratio_mean"] != pytest.approx(1.0, abs=1e-7)  # the second pass moved away from π_old
