@@ -197,26 +197,36 @@ def _json_doc(item: Decoded) -> str:
     return item.event.model_dump_json()
 
 
-# PostgreSQL reads the fields out of the staged JSON itself (server side, in C, on its own core).
-# Canonical events (``Decoded.canonical``: strictly typed, every field present) carry exactly the
-# values the Python path would store; others are re-serialised by pydantic first.
+# PostgreSQL reads the fields out of the staged JSON itself (server side, in C, on its own core):
+# ``json_populate_record`` parses each document once and maps keys to the typed columns of a row
+# type named like the event's fields. Canonical events (``Decoded.canonical``: strictly typed, every
+# field present) carry exactly the values the Python path would store; others are re-serialised by
+# pydantic first. JSON ``null`` becomes SQL NULL.
+_EVENT_TYPES = {
+    "completions": "rtrl_completion_event (completion_id text, event_id text, caller text, model text, "
+                   "version text, prompt text, completion text, prompt_token_ids json, completion_token_ids json, "
+                   "logprobs json, sampling_logprobs json, expert_ids json, sampling json, finish_reason text, "
+                   "latency_ms float8, task_bucket text, choice_index int, ts timestamptz)",
+    "feedback": "rtrl_feedback_event (event_id text, completion_id text, caller text, version text, signal text, "
+                "kept_text text, score float8, comment text, ts timestamptz)",
+}
+_STAGES = {"completions": "j json", "feedback": "j json, is_latest boolean"}
 _COMPLETIONS_FROM_JSON = """
 INSERT INTO completions (completion_id, event_id, caller, model, version, prompt, completion, prompt_token_ids,
                          completion_token_ids, logprobs, sampling_logprobs, expert_ids, sampling, finish_reason,
                          latency_ms, task_bucket, choice_index, created_at, ingested_at)
-SELECT j->>'completion_id', j->>'event_id', j->>'caller', j->>'model', j->>'version', j->>'prompt',
-       j->>'completion', (j->'prompt_token_ids')::json, (j->'completion_token_ids')::json, (j->'logprobs')::json,
-       NULLIF(j->'sampling_logprobs', 'null'::jsonb)::json, NULLIF(j->'expert_ids', 'null'::jsonb)::json,
-       (j->'sampling')::json, j->>'finish_reason', (j->>'latency_ms')::float8, j->>'task_bucket',
-       (j->>'choice_index')::int, (j->>'ts')::timestamptz, %(now)s
-FROM {stage} ON CONFLICT DO NOTHING RETURNING completion_id"""
+SELECT e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion, e.prompt_token_ids,
+       e.completion_token_ids, e.logprobs, e.sampling_logprobs, e.expert_ids, e.sampling, e.finish_reason,
+       e.latency_ms, e.task_bucket, e.choice_index, e.ts, %(now)s
+FROM {stage} s, json_populate_record(NULL::rtrl_completion_event, s.j) e
+ON CONFLICT DO NOTHING RETURNING completion_id"""
 _FEEDBACK_FROM_JSON = """
 INSERT INTO feedback (event_id, completion_id, caller, version, signal, kept_text, score, comment, created_at,
                       ingested_at, is_latest)
-SELECT j->>'event_id', j->>'completion_id', j->>'caller', j->>'version', j->>'signal', j->>'kept_text',
-       (j->>'score')::float8, j->>'comment', (j->>'ts')::timestamptz, %(now)s, is_latest
-FROM {stage} ON CONFLICT DO NOTHING RETURNING completion_id"""
-_STAGES = {"completions": "j jsonb", "feedback": "j jsonb, is_latest boolean"}
+SELECT e.event_id, e.completion_id, e.caller, e.version, e.signal, e.kept_text, e.score, e.comment, e.ts,
+       %(now)s, s.is_latest
+FROM {stage} s, json_populate_record(NULL::rtrl_feedback_event, s.j) e
+ON CONFLICT DO NOTHING RETURNING completion_id"""
 
 
 def _copy_json_insert(conn: sa.Connection, kind: str, insert_sql: str, docs: list[tuple], now: datetime) -> list[str]:
@@ -226,11 +236,11 @@ def _copy_json_insert(conn: sa.Connection, kind: str, insert_sql: str, docs: lis
     time zone is UTC (see ``database.make_engine``), so an offset-less timestamp means UTC here too.
     """
     stage = f"rtrl_stage_{kind}_json"
-    dbapi_conn = conn.connection
-    if stage not in dbapi_conn.info.setdefault("rtrl_stages", set()):
-        conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ({_STAGES[kind]}) ON COMMIT DELETE ROWS")
-        dbapi_conn.info["rtrl_stages"].add(stage)
-    cursor = dbapi_conn.driver_connection.cursor()
+    # Session-scoped temp tables (the row type never holds rows). Created in every transaction, not
+    # cached: a rolled-back transaction takes its CREATE with it.
+    conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS {_EVENT_TYPES[kind]}")
+    conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ({_STAGES[kind]}) ON COMMIT DELETE ROWS")
+    cursor = conn.connection.driver_connection.cursor()
     with cursor.copy(f"COPY {stage} FROM STDIN") as copy:
         for doc in docs:
             copy.write_row(doc)

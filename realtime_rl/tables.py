@@ -3,7 +3,8 @@
 Types work on SQLite and PostgreSQL alike: JSON via ``sqlalchemy.JSON``, raw bytes via
 ``LargeBinary``, timestamps as timezone-aware UTC (SQLite stores them as naive UTC text).
 The schema itself is created by the Alembic revisions in ``migrations/``; a test checks that these
-models and the migrations agree.
+models and the migrations agree. Indexes are few on purpose: every one costs the ingester on every
+row; the analyst views aggregate whole tables and need none beyond the keys.
 
 - ``completions``: one row per served completion (idempotent on ``event_id`` and ``completion_id``).
 - ``feedback``: every feedback event, history kept; ``is_latest`` marks the newest per completion
@@ -63,7 +64,7 @@ class Completion(Base):
     event_id: Mapped[str] = mapped_column(Id, unique=True)
     caller: Mapped[str] = mapped_column(Id)
     model: Mapped[str] = mapped_column(Id)
-    version: Mapped[str] = mapped_column(Id, index=True)
+    version: Mapped[str] = mapped_column(Id)
     prompt: Mapped[str] = mapped_column(Text)
     completion: Mapped[str] = mapped_column(Text)
     prompt_token_ids: Mapped[list[int]] = mapped_column(JSON)
@@ -76,7 +77,7 @@ class Completion(Base):
     latency_ms: Mapped[float] = mapped_column(Float)
     task_bucket: Mapped[str | None] = mapped_column(Id, nullable=True)
     choice_index: Mapped[int] = mapped_column(Integer, default=0)
-    created_at: Mapped[datetime] = mapped_column(Timestamp, index=True)
+    created_at: Mapped[datetime] = mapped_column(Timestamp)
     ingested_at: Mapped[datetime] = mapped_column(Timestamp)
 
 
@@ -107,7 +108,6 @@ class PendingFeedback(Base):
 
 class TrainingExample(Base):
     __tablename__ = "training_examples"
-    __table_args__ = (Index("ix_training_examples_version_updated", "version", "updated_at"),)
 
     completion_id: Mapped[str] = mapped_column(Id, primary_key=True)
     version: Mapped[str] = mapped_column(Id)
@@ -125,9 +125,9 @@ class TrainingExample(Base):
     score: Mapped[float | None] = mapped_column(Float, nullable=True)
     feedback_event_id: Mapped[str] = mapped_column(Id)
     feedback_count: Mapped[int] = mapped_column(Integer)
-    feedback_at: Mapped[datetime] = mapped_column(Timestamp)
+    feedback_at: Mapped[datetime] = mapped_column(Timestamp, index=True)  # updaters read time windows
     completion_at: Mapped[datetime] = mapped_column(Timestamp)
-    updated_at: Mapped[datetime] = mapped_column(Timestamp, index=True)
+    updated_at: Mapped[datetime] = mapped_column(Timestamp, index=True)  # "what changed since" polling
 
 
 class ModelVersion(Base):

@@ -163,7 +163,8 @@ def test_a_failure_mid_transaction_commits_nothing(tmp_path: Path, db_url: str, 
     import realtime_rl.ingest as ingest_mod
 
     s = make_settings(tmp_path, db_url)
-    send(s, [completion("c1"), feedback("c1"), completion("c2")])
+    # Enough events for PostgreSQL's staged (COPY) path: its temp tables die with the rolled-back transaction.
+    send(s, [completion(f"c{i}") for i in range(150)] + [feedback(f"c{i}") for i in range(149)])
     real = ingest_mod.write_batch
 
     def write_then_fail(conn, *args, **kwargs):
@@ -181,7 +182,7 @@ def test_a_failure_mid_transaction_commits_nothing(tmp_path: Path, db_url: str, 
     ing.drain(timeout_s=30)  # the same process resumes from the committed positions
     ing.close()
     assert counts(db_url, "completions", "feedback", "training_examples") == \
-        {"completions": 2, "feedback": 1, "training_examples": 1}
+        {"completions": 150, "feedback": 149, "training_examples": 149}
 
 
 def test_a_second_ingester_of_the_group_is_fenced(tmp_path: Path, db_url: str) -> None:

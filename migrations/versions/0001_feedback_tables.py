@@ -42,8 +42,6 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('completion_id', name=op.f('pk_completions')),
     sa.UniqueConstraint('event_id', name=op.f('uq_completions_event_id'))
     )
-    op.create_index(op.f('ix_completions_created_at'), 'completions', ['created_at'], unique=False)
-    op.create_index(op.f('ix_completions_version'), 'completions', ['version'], unique=False)
 
     op.create_table('consumer_offsets',
     sa.Column('group_id', sa.String(length=255), nullable=False),
@@ -147,8 +145,8 @@ def upgrade() -> None:
     sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('completion_id', name=op.f('pk_training_examples'))
     )
+    op.create_index(op.f('ix_training_examples_feedback_at'), 'training_examples', ['feedback_at'], unique=False)
     op.create_index(op.f('ix_training_examples_updated_at'), 'training_examples', ['updated_at'], unique=False)
-    op.create_index('ix_training_examples_version_updated', 'training_examples', ['version', 'updated_at'], unique=False)
 
 
 
