@@ -66,7 +66,7 @@ class GRPOResult:
 
 def load_task_split(settings: Settings):
     """Train / held-out tasks: the generator, or a JSONL file whose tasks say ``metadata.split``."""
-    from offline_rl.tasks import TaskSplit, generate_tasks, load_tasks_jsonl
+    from offline_rl.tasks import TaskSplit, generate_tasks, load_tasks_jsonl, make_task, split_specs
 
     ts = settings.tasks
     if ts.jsonl:
@@ -76,7 +76,16 @@ def load_task_split(settings: Settings):
         if not held or not train:
             raise ValueError(f"{ts.jsonl}: needs tasks with metadata.split == 'heldout' and others for training")
         return TaskSplit(train=train, heldout=held)
-    return generate_tasks(ts.seed, ts.heldout_fraction)
+    split = generate_tasks(ts.seed, ts.heldout_fraction)
+    if ts.train_instances == 1:
+        return split
+    # More training prompts per train function (fresh visible examples each), from the same split, so
+    # the held-out set is exactly the generator's and no held-out function can leak in.
+    train_specs, _ = split_specs(ts.seed, ts.heldout_fraction)
+    rng = random.Random(ts.seed + 10_007)
+    train = [make_task(spec, rng, f"train-{i}-{k}") for i, spec in enumerate(train_specs)
+             for k in range(ts.train_instances)]
+    return TaskSplit(train=train, heldout=split.heldout)
 
 
 def pad_float(rows: list[list[float]], width: int):

@@ -120,9 +120,9 @@ def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir
                "loss_first": losses[0], "loss_last": sum(losses[-10:]) / len(losses[-10:]), "init_dir": str(policy.model_dir)}
     if cfg.eval_at_end:
         from offline_rl.evaluate import evaluate
-        from offline_rl.tasks import generate_tasks
+        from offline_rl.grpo import load_task_split
 
-        split = generate_tasks(settings.tasks.seed, settings.tasks.heldout_fraction)
+        split = load_task_split(settings)
         ev = evaluate(model, tok, split.heldout, samples=settings.eval.samples, k=settings.eval.k,
                       temperature=settings.eval.temperature, seed=settings.grpo.seed)
         summary["heldout_pass_at_1"] = ev.pass_at_1

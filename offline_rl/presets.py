@@ -13,8 +13,8 @@ from rtrl.config import Settings
 # section -> field -> value
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "fast": {
-        "midtrain": {"steps": 250, "warmup_steps": 10},
-        "grpo": {"steps": 40, "eval_every": 10, "checkpoint_every": 10},
+        "midtrain": {"steps": 450, "warmup_steps": 10},
+        "grpo": {"steps": 30, "eval_every": 15, "checkpoint_every": 15},
         "eval": {"samples": 4, "k": [1, 4]},
     },
 }
