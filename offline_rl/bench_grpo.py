@@ -64,7 +64,7 @@ def _trl(settings: Settings, init_dir: Path, work: Path, steps: int, log) -> dic
     from offline_rl.config import RewardSettings
     from offline_rl.grpo import load_task_split
     from offline_rl.rewards import RewardFunction
-    from offline_rl.sandbox import Sandbox
+    from offline_rl.sandbox import SandboxPool
     from policy.loading import load_policy
 
     policy = load_policy(init_dir)
@@ -73,7 +73,7 @@ def _trl(settings: Settings, init_dir: Path, work: Path, steps: int, log) -> dic
     split = load_task_split(settings)
     by_prompt = {t.prompt: t for t in split.train}
     prompts = [split.train[i % len(split.train)].prompt for i in range(PROMPTS * (steps + 2))]
-    sandbox = Sandbox(settings.sandbox)
+    sandbox = SandboxPool(settings.sandbox)
     reward_fn = RewardFunction(sandbox, RewardSettings(**{**settings.rewards.model_dump(), "require_pass": False}))
 
     def reward(prompts, completions, **_):

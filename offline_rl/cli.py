@@ -120,7 +120,7 @@ def register(app: typer.Typer) -> None:
 
         from offline_rl.evaluate import evaluate
         from offline_rl.grpo import load_task_split
-        from offline_rl.sandbox import Sandbox
+        from offline_rl.sandbox import SandboxPool
         from policy.loading import ModelLoadError, load_policy
         from rtrl.cli import settings_or_exit
 
@@ -141,7 +141,7 @@ def register(app: typer.Typer) -> None:
         n = samples or settings.eval.samples
         ks = list(k) if k else settings.eval.k
         try:
-            with Sandbox(settings.sandbox) as sandbox:
+            with SandboxPool(settings.sandbox) as sandbox:
                 r = evaluate(policy.model, policy.tokenizer, tasks, samples=n, k=ks,
                              temperature=settings.eval.temperature, max_new_tokens=settings.grpo.max_new_tokens,
                              sandbox=sandbox, env_settings=settings.env)

@@ -58,7 +58,7 @@ def evaluate(model, tokenizer, tasks: Sequence[Task], samples: int = 4, k: Seque
         raise ValueError(f"pass@{max(ks)} needs at least {max(ks)} samples per task (got {samples})")
     t0 = time.perf_counter()
     own_sandbox = sandbox is None
-    sandbox = sandbox or Sandbox(SandboxSettings())
+    sandbox = sandbox or SandboxPool(SandboxSettings())
     try:
         env = CodingEnv(sandbox, env_settings or EnvSettings())
         # Pass/fail only: shaping weights do not change pass@k, the reward is reported for context.

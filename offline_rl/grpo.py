@@ -344,7 +344,7 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
     from offline_rl.judge import make_judge
     from offline_rl.rewards import RewardFunction
     from offline_rl.rollout import TorchBackend, run_episodes
-    from offline_rl.sandbox import Sandbox
+    from offline_rl.sandbox import SandboxPool
     from offline_rl.workers import AsyncRollouts, WorkerConfig, sample_tasks
 
     say = log or (lambda msg: None)
@@ -366,7 +366,7 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
     elif metrics_path.exists():
         metrics_path.unlink()
     split = load_task_split(settings)
-    sandbox = Sandbox(settings.sandbox)
+    sandbox = SandboxPool(settings.sandbox)
     env = CodingEnv(sandbox, settings.env)
     reward_fn = RewardFunction(sandbox, settings.rewards, make_judge(settings.judge))
     say(f"grpo: sandbox isolation={sandbox.isolation} ({sandbox.isolation_reason}); mode={cfg.mode}, "

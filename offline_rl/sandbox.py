@@ -218,6 +218,7 @@ class SandboxPool:
         self.sandboxes = [Sandbox(self.settings) for _ in range(self.size)]
         self._executor = ThreadPoolExecutor(self.size) if self.size > 1 else None
         self.isolation = self.sandboxes[0].isolation
+        self.isolation_reason = self.sandboxes[0].isolation_reason
 
     def run_many(self, jobs: Sequence[tuple[str, str, Sequence[TestCase]]]) -> list[RunResult]:
         if self._executor is None:

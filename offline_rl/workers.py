@@ -63,11 +63,11 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, version, lock, out_q, s
     from offline_rl.judge import make_judge
     from offline_rl.rewards import RewardFunction
     from offline_rl.rollout import TorchBackend, VLLMBackend, run_episodes
-    from offline_rl.sandbox import Sandbox
+    from offline_rl.sandbox import SandboxPool
     from policy.loading import load_policy, load_tokenizer
 
     torch.set_num_threads(cfg.threads)
-    sandbox = Sandbox(SandboxSettings(**cfg.sandbox_settings))
+    sandbox = SandboxPool(SandboxSettings(**cfg.sandbox_settings))
     env = CodingEnv(sandbox, EnvSettings(**cfg.env_settings))
     reward_fn = RewardFunction(sandbox, RewardSettings(**cfg.reward_settings),
                                make_judge(JudgeSettings(**cfg.judge_settings)))
