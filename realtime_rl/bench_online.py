@@ -1,6 +1,6 @@
 """`rtrl bench online`: the real-time RL loop end to end, on the real parts.
 
-K cycles of: simulated users → gateway (openai client, real uvicorn) → event bus → ingest (feedback
+K cycles (3 with --quick, else 6) of: simulated users → gateway (openai client, real uvicorn) → event bus → ingest (feedback
 tables) → REINFORCE update → release gate → registry promotion → the gateway hot-swaps. A final
 round of traffic measures the last released version. Reported per version: the realised accept rate
 with a Wilson CI, the gate's off-policy (SNIPS) estimate made *before* the version served (to be
@@ -150,7 +150,7 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
     root = Path(bench_dir or tempfile.mkdtemp(prefix="rtrl-online-"))
     root.mkdir(parents=True, exist_ok=True)
     s = _bench_settings(settings, root, quick)
-    K = cycles or 3
+    K = cycles or (3 if quick else 6)
     t_start = time.perf_counter()
 
     base_dir, trained = _base_model(settings, root, log)
@@ -272,7 +272,8 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
         "cycles": K,
         "requests_per_cycle": s.simusers.requests_per_cycle,
         "users": s.simusers.n_users,
-        "goal_met": bool(gain is not None and gain >= 0.2 and len(order) - 1 >= 1
+        "goal": "accept rate +20% relative over >= 3 releases, every released version at or above the gate",
+        "goal_met": bool(gain is not None and gain >= 0.2 and len(order) - 1 >= 3
                          and all(p is not None and p >= s.eval.gate_threshold for p in released_pass)),
         "offline_pass_min_released": min((p for p in released_pass if p is not None), default=None),
         "versions": out_versions,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import random
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,7 +77,9 @@ def parse_answer(text: str) -> ast.Expression | None:
     if not line or len(line) > 200:
         return None
     try:
-        tree = ast.parse(line, mode="eval")
+        with warnings.catch_warnings():  # e.g. "1x" warns about an invalid decimal literal; it is just wrong
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(line, mode="eval")
     except (SyntaxError, ValueError):
         return None
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
