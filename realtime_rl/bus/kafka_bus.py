@@ -1,7 +1,9 @@
 """The Kafka backend, through kafka-python.
 
 Producer: ``acks=all``; the caller keys messages by completion id so a completion and its feedback
-share a partition. The client is created lazily, so a producer can be opened while the broker is
+share a partition. The idempotent producer is off by default (``bus.enable_idempotence``): against
+Tansu it could stop sending for good after batches expired in an outage, and nothing downstream
+needs it (the ingester is idempotent on event ids and does not rely on order within a partition). The client is created lazily, so a producer can be opened while the broker is
 down; every blocking step is bounded (``send_timeout_s`` for metadata and buffer space,
 ``delivery_timeout_ms`` for acknowledgement) and surfaces as :class:`BusUnavailable`.
 
@@ -99,6 +101,7 @@ class KafkaBusProducer(BusProducer):
                 self._producer = KafkaProducer(
                     **client_config(s),
                     acks="all",
+                    enable_idempotence=s.enable_idempotence,
                     linger_ms=s.linger_ms,
                     batch_size=256 * 1024,
                     max_block_ms=_bootstrap_ms(s),
@@ -129,13 +132,23 @@ class KafkaBusProducer(BusProducer):
         try:
             self._producer.flush(timeout=bound)
         except KafkaError as err:
+            self._discard_client()
             raise BusUnavailable(f"Kafka flush did not finish in {bound:.1f} s: {err}") from err
         failed = [f for f in pending if f.failed()]
         unfinished = sum(1 for f in pending if not f.is_done)
         if failed or unfinished:
+            self._discard_client()
             first = failed[0].exception if failed else "not acknowledged in time"
             raise BusUnavailable(f"{len(failed) + unfinished} of {len(pending)} message(s) not acknowledged "
                                  f"by Kafka: {first}")
+
+    def _discard_client(self) -> None:
+        """After a failed flush start over with a fresh client on the next send: whatever state the
+        old one kept about the lost batches (sequence numbers, a wedged accumulator) cannot block it."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            with contextlib.suppress(Exception):
+                producer.close(timeout=0)
 
     def close(self) -> None:
         if self._producer is not None:
