@@ -140,3 +140,13 @@ def test_frozen_recompute_with_several_epochs_gives_the_same_weights(tiny_model_
     assert out[0]["tis_mean"] == pytest.approx(out[1]["tis_mean"], rel=1e-5)
     assert out[0]["mismatch_abs_logp"] == pytest.approx(out[1]["mismatch_abs_logp"], rel=1e-5)
     assert out[1]["ratio_mean"] != pytest.approx(1.0, abs=1e-7)  # the second pass moved away from π_old
+
+
+def test_multi_turn_grpo_trains_on_policy_tokens_only(tiny_model_dir, tmp_path):
+    s = make_settings(tmp_path, mode="sync", steps=2, eval_every=0, max_new_tokens=8, lr=1e-3)
+    s.env.mode, s.env.max_turns = "multi", 2
+    s.rewards.require_pass = False
+    res = run_grpo(s, tiny_model_dir, progress=False, evaluate_before=False, evaluate_after=False)
+    recs = [json.loads(line) for line in res.metrics_path.read_text().splitlines()]
+    assert len(recs) == 2 and all(1.0 <= r["mean_turns"] <= 2.0 for r in recs)
+    assert (res.final_dir / "config.json").is_file()
