@@ -150,3 +150,23 @@ def test_multi_turn_grpo_trains_on_policy_tokens_only(tiny_model_dir, tmp_path):
     recs = [json.loads(line) for line in res.metrics_path.read_text().splitlines()]
     assert len(recs) == 2 and all(1.0 <= r["mean_turns"] <= 2.0 for r in recs)
     assert (res.final_dir / "config.json").is_file()
+
+
+def test_first_checkpoint_over_the_gate_is_published_and_a_failing_one_never(tiny_model_dir, tmp_path):
+    from policy.registry import Registry
+
+    def settings(gate, run):
+        s = make_settings(tmp_path, mode="sync", steps=1, eval_every=0, max_new_tokens=8, out_dir=str(tmp_path / run))
+        s.registry.url, s.registry.cache_dir = str(tmp_path / "registry"), str(tmp_path / "cache")
+        s.eval.samples, s.eval.k, s.eval.gate_threshold = 1, [1], gate
+        s.tasks.heldout_fraction = 0.02  # one held-out task per family: a quick evaluation
+        return s
+
+    failing = run_grpo(settings(1.0, "fail"), tiny_model_dir, progress=False)
+    reg = Registry.from_settings(settings(1.0, "x").registry)
+    assert failing.published_version is None and reg.list() == []
+    passing = run_grpo(settings(0.0, "pass"), tiny_model_dir, progress=False)
+    assert passing.published_step == 0  # the first evaluation (before any update) already passed
+    info = reg.info(passing.published_version)
+    assert info.stage == "offline" and "heldout_pass_at_1" in info.metrics
+    assert reg.channel("production") == passing.published_version
