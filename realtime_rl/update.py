@@ -15,7 +15,10 @@ starting from θ = θ_prod we minimise for ``epochs`` passes of AdamW:
 
 or, with ``clip`` = None, truncated-IS REINFORCE ℓ = −sg(min(ρ, C)) · A · log π_θ. This is
 ``policy.losses.reinforce_loss``; k3 is Schulman's KL estimator against the serving weights (β =
-``kl_coef``, off by default: the ratio clip is the trust region).
+``kl_coef``, off by default: the ratio clip is the trust region). On top of the clip, the epochs stop
+early once a minibatch's mean k3 KL to the serving version exceeds ``target_kl`` (PPO's target-KL
+rule): the clip only stops the gradient of tokens already outside [1−ε, 1+ε], while shared parameters
+keep moving, so without a KL bound the drift grows with the batch size.
 
 Which logged log-prob is μ. The gateway logs ``logprobs`` (raw softmax at temperature 1) and
 ``sampling_logprobs`` (the temperature/top-k/top-p distribution the token was drawn from). The
@@ -120,6 +123,7 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
     order = list(range(len(examples)))
     sums: dict[str, float] = {}
     steps = 0
+    stopped = False
     for epoch in range(cfg.epochs):
         rng.shuffle(order)
         for i in range(0, len(order), cfg.minibatch_size):
@@ -146,12 +150,20 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
             m.update(loss=float(loss.item()), grad_norm=float(gn))
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
+            if cfg.target_kl is not None and m["kl_to_serving_k3"] > cfg.target_kl:
+                stopped = True
+                break
+        if stopped:
+            log(f"  early stop at epoch {epoch + 1}, step {steps}: KL to the serving version "
+                f"{m['kl_to_serving_k3']:.3f} > target {cfg.target_kl}")
+            break
         log(f"  epoch {epoch + 1}/{cfg.epochs}: loss {sums.get('loss', 0) / max(steps, 1):+.4f} "
             f"ratio {sums.get('ratio_mean', 0) / max(steps, 1):.3f}")
     model.eval()
     out = {k: v / max(steps, 1) for k, v in sums.items()}
     out.update(mismatch)
     out["steps"] = float(steps)
+    out["early_stopped"] = float(stopped)
     return out
 
 

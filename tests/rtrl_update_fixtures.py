@@ -39,6 +39,7 @@ def make_settings(tmp: Path, db_url: str, **section_overrides) -> tuple[Settings
         "RTRL_SCHEDULE__MIN_FEEDBACK": "50",
         "RTRL_UPDATE__LR": "1e-3",
         "RTRL_UPDATE__EPOCHS": "3",
+        "RTRL_UPDATE__TARGET_KL": "5.0",
         "RTRL_UPDATE__CALLER_CAP_SHARE": "0.5",
         "RTRL_UPDATE__HELDOUT_FRACTION": "0.3",
     }

@@ -58,3 +58,21 @@ def test_value_head_baseline_is_cross_fitted(tiny_model_dir):
     _, base2 = value_head_advantages(policy.model, changed)
     assert all(abs(base2[i] - base[i]) < 1e-5 for i in range(0, 24, 2))
     assert any(abs(base2[i] - base[i]) > 1e-4 for i in range(1, 24, 2))
+
+
+def test_target_kl_stops_the_update_early(tiny_model_dir):
+    from policy.loading import load_policy
+    from realtime_rl.config import UpdateSettings
+    from realtime_rl.dataset import LoggedExample, TrainingExample
+    from realtime_rl.update import train_policy
+
+    policy = load_policy(tiny_model_dir)
+    exs = [TrainingExample(LoggedExample(f"c{i}", "v", "a", "b", [5 + i % 7, 9], [4 + i % 5, 6], [-5.0, -5.0],
+                                         None, "accept"), 1.0 if i % 2 else -1.0, bool(i % 2)) for i in range(32)]
+    adv = [e.reward for e in exs]
+    free = train_policy(policy.model, exs, adv, UpdateSettings(lr=1e-2, epochs=3, minibatch_size=8, target_kl=None))
+    assert free["steps"] == 12 and free["early_stopped"] == 0
+    policy = load_policy(tiny_model_dir)
+    capped = train_policy(policy.model, exs, adv, UpdateSettings(lr=1e-2, epochs=3, minibatch_size=8,
+                                                                 target_kl=1e-3))
+    assert capped["early_stopped"] == 1 and capped["steps"] < 12
