@@ -83,7 +83,9 @@ class IngestSettings(_Section):
     dead_letter_max_raw_bytes: int = Field(4_194_304, ge=0, description="Raw bytes kept per dead letter "
                                            "(longer payloads are truncated; the full size is recorded).")
     retry_backoff_s: float = Field(1.0, gt=0, description="Wait after a failed transaction (database down).")
-    pg_copy: bool = Field(True, description="PostgreSQL: stage rows with COPY, then INSERT ... ON CONFLICT.")
+    staged_writes: bool = Field(True, description="Stage each batch in temp tables (PostgreSQL: COPY of the JSON "
+                                "events; SQLite: the driver's executemany) and move it with one INSERT ... SELECT. "
+                                "Off: multi-row INSERTs through SQLAlchemy (slower, same rows).")
     log_every_s: float = Field(10.0, gt=0, description="Progress line interval in follow mode.")
 
 

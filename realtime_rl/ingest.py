@@ -226,7 +226,7 @@ class Ingester:
         max_raw = self.cfg.dead_letter_max_raw_bytes
         try:
             with conn.begin_nested():
-                return write_batch(conn, decoded, now, max_raw=max_raw, use_copy=self.cfg.pg_copy)
+                return write_batch(conn, decoded, now, max_raw=max_raw, use_copy=self.cfg.staged_writes)
         except _DATA_ERRORS:
             pass
         # Some record is refused by the database itself: find it, one savepoint per record.

@@ -31,6 +31,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from realtime_rl import tables as t
+from realtime_rl.database import json_text
 from realtime_rl.events import CompletionEvent, FeedbackEvent, ModelVersionEvent
 from realtime_rl.ingest_decode import CONFLICT, Decoded
 
@@ -137,6 +138,9 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
         if staged:
             new_completion_ids = _copy_json_insert(conn, "completions", _COMPLETIONS_FROM_JSON,
                                                    [(_json_doc(i),) for i in completions.values()], now)
+        elif use_copy and conn.dialect.name == "sqlite":
+            new_completion_ids = _sqlite_stage_insert(
+                conn, "completions", _COMPLETION_COLUMNS, [_completion_tuple(i.event, now) for i in completions.values()])
         else:
             stmt = dialect_insert(conn, t.completions).on_conflict_do_nothing().returning(t.completions.c.completion_id)
             rows = [_completion_row(i.event, now) for i in completions.values()]
@@ -156,6 +160,10 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
         if staged:
             docs = [(_json_doc(i), i.event.event_id in newest) for i in feedback.values()]
             inserted = _copy_json_insert(conn, "feedback", _FEEDBACK_FROM_JSON, docs, now)
+        elif use_copy and conn.dialect.name == "sqlite":
+            inserted = _sqlite_stage_insert(conn, "feedback", _FEEDBACK_COLUMNS,
+                                            [_feedback_tuple(i.event, now, i.event.event_id in newest)
+                                             for i in feedback.values()])
         else:
             rows = [_feedback_row(i.event, now) | {"is_latest": i.event.event_id in newest} for i in feedback.values()]
             stmt = dialect_insert(conn, t.feedback).on_conflict_do_nothing().returning(t.feedback.c.completion_id)
@@ -245,6 +253,54 @@ def _copy_json_insert(conn: sa.Connection, kind: str, insert_sql: str, docs: lis
         for doc in docs:
             copy.write_row(doc)
     return [r[0] for r in conn.exec_driver_sql(insert_sql.format(stage=stage), {"now": now})]
+
+
+# SQLite: rows are bound by the driver's C ``executemany`` into a temp table, then moved with one
+# INSERT ... SELECT; this skips SQLAlchemy's per-value bind processing (most of the time otherwise).
+# Values are pre-encoded exactly as the column types would: compact JSON, and timestamps in
+# SQLAlchemy's SQLite storage format (naive UTC with microseconds).
+_COMPLETION_COLUMNS = ("completion_id", "event_id", "caller", "model", "version", "prompt", "completion",
+                       "prompt_token_ids", "completion_token_ids", "logprobs", "sampling_logprobs", "expert_ids",
+                       "sampling", "finish_reason", "latency_ms", "task_bucket", "choice_index", "created_at",
+                       "ingested_at")
+_FEEDBACK_COLUMNS = ("event_id", "completion_id", "caller", "version", "signal", "kept_text", "score", "comment",
+                     "created_at", "ingested_at", "is_latest")
+_RETURNING = {"completions": "completion_id", "feedback": "completion_id"}
+
+
+def sqlite_timestamp(ts: datetime) -> str:
+    return utc(ts).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _completion_tuple(e: CompletionEvent, now: datetime) -> tuple:
+    return (e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion,
+            json_text(e.prompt_token_ids), json_text(e.completion_token_ids), json_text(e.logprobs),
+            None if e.sampling_logprobs is None else json_text(e.sampling_logprobs),
+            None if e.expert_ids is None else json_text(e.expert_ids), e.sampling.model_dump_json(),
+            e.finish_reason, e.latency_ms, e.task_bucket, e.choice_index, sqlite_timestamp(e.ts),
+            sqlite_timestamp(now))
+
+
+def _feedback_tuple(e: FeedbackEvent, now: datetime, is_latest: bool) -> tuple:
+    return (e.event_id, e.completion_id, e.caller, e.version, e.signal, e.kept_text, e.score, e.comment,
+            sqlite_timestamp(e.ts), sqlite_timestamp(now), int(is_latest))
+
+
+def _sqlite_stage_insert(conn: sa.Connection, table: str, columns: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    stage = f"temp.rtrl_stage_{table}"
+    cols = ", ".join(f'"{c}"' for c in columns)
+    # Created inside the transaction each time (cheap), so a rollback cannot leave us without it.
+    conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS rtrl_stage_{table} AS SELECT {cols} FROM {table} WHERE 0")
+    conn.exec_driver_sql(f"DELETE FROM {stage}")
+    cursor = conn.connection.driver_connection.cursor()
+    try:
+        cursor.executemany(f"INSERT INTO {stage} ({cols}) VALUES ({', '.join('?' * len(columns))})", rows)
+    finally:
+        cursor.close()
+    # ``WHERE true`` keeps SQLite from reading ON CONFLICT as part of the SELECT.
+    result = conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {stage} WHERE true "
+                                  f"ON CONFLICT DO NOTHING RETURNING {_RETURNING[table]}")
+    return [r[0] for r in result]
 
 
 def _in(conn: sa.Connection, column: sa.Column, ids: Sequence[str]):

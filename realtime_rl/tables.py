@@ -50,6 +50,8 @@ NAMING = {
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a 64-bit identity.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
 Timestamp = DateTime(timezone=True)
+NullableJSON = JSON(none_as_null=True)
+"""A missing array is SQL NULL (not the JSON text ``null``), whichever path wrote the row."""
 Id = String(128)
 
 
@@ -70,8 +72,8 @@ class Completion(Base):
     prompt_token_ids: Mapped[list[int]] = mapped_column(JSON)
     completion_token_ids: Mapped[list[int]] = mapped_column(JSON)
     logprobs: Mapped[list[float]] = mapped_column(JSON)
-    sampling_logprobs: Mapped[list[float] | None] = mapped_column(JSON, nullable=True)
-    expert_ids: Mapped[list[list[int]] | None] = mapped_column(JSON, nullable=True)
+    sampling_logprobs: Mapped[list[float] | None] = mapped_column(NullableJSON, nullable=True)
+    expert_ids: Mapped[list[list[int]] | None] = mapped_column(NullableJSON, nullable=True)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     finish_reason: Mapped[str] = mapped_column(String(32))
     latency_ms: Mapped[float] = mapped_column(Float)
@@ -117,8 +119,8 @@ class TrainingExample(Base):
     prompt_token_ids: Mapped[list[int]] = mapped_column(JSON)
     completion_token_ids: Mapped[list[int]] = mapped_column(JSON)
     logprobs: Mapped[list[float]] = mapped_column(JSON)
-    sampling_logprobs: Mapped[list[float] | None] = mapped_column(JSON, nullable=True)
-    expert_ids: Mapped[list[list[int]] | None] = mapped_column(JSON, nullable=True)
+    sampling_logprobs: Mapped[list[float] | None] = mapped_column(NullableJSON, nullable=True)
+    expert_ids: Mapped[list[list[int]] | None] = mapped_column(NullableJSON, nullable=True)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     signal: Mapped[str] = mapped_column(String(16))
     kept_text: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -1,6 +1,7 @@
-"""The PostgreSQL fast path (events staged as JSON with COPY, columns extracted by the server) stores
-exactly what the plain path stores, and the same as SQLite: for canonical gateway events and for
-lax-but-valid ones (coerced types, missing defaults, offsets, naive timestamps, unknown fields)."""
+"""The staged write paths (PostgreSQL: events COPYed as JSON, columns extracted by the server;
+SQLite: executemany into a temp table) store exactly what the plain SQLAlchemy path stores, and
+both databases store the same: for canonical gateway events and for lax-but-valid ones (coerced
+types, missing defaults, offsets, naive timestamps, unknown fields)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sqlalchemy as sa
 
 from realtime_rl.event_samples import sample_stream
 from realtime_rl.ingest import Ingester
-from tests.ingest_fixtures import make_settings, send
+from tests.ingest_fixtures import make_settings, rows, send
 
 
 def _raw(**fields) -> bytes:
@@ -76,11 +77,12 @@ def test_fast_path_plain_path_and_sqlite_store_the_same(tmp_path: Path, postgres
     from rtrl import devservices
 
     messages = sample_stream(400, seed=3).messages + _lax_events()
-    snapshots = []
+    snapshots, nulls = [], []
     with devservices.temporary_postgres_database(postgres_admin_url) as pg_fast, \
             devservices.temporary_postgres_database(postgres_admin_url) as pg_plain:
-        for url, copy in ((pg_fast, True), (pg_plain, False), (f"sqlite:///{tmp_path / 'f.db'}", True)):
-            s = make_settings(tmp_path, url, ingest={"pg_copy": copy, "batch_max_records": 5000})
+        for url, staged in ((pg_fast, True), (pg_plain, False), (f"sqlite:///{tmp_path / 'staged.db'}", True),
+                            (f"sqlite:///{tmp_path / 'plain.db'}", False)):
+            s = make_settings(tmp_path, url, ingest={"staged_writes": staged, "batch_max_records": 5000})
             send(s, messages)
             ing = Ingester(s)
             ing.drain(timeout_s=60)
@@ -88,7 +90,8 @@ def test_fast_path_plain_path_and_sqlite_store_the_same(tmp_path: Path, postgres
             assert ing.stats.written.dead_letters == 0
             assert ing.stats.transactions == 1  # one batch: the fast path really ran on pg_fast
             snapshots.append(_snapshot(url))
-    fast, plain, lite = snapshots
+            nulls.append(rows(url, "SELECT COUNT(*) FROM completions WHERE sampling_logprobs IS NULL")[0][0])
+    fast, plain, lite, lite_plain = snapshots
     assert len(fast["completions"]) > 200 and len(fast["training_examples"]) > 100
     lax = {r["completion_id"]: r for r in fast["completions"] if r["completion_id"].startswith("lax-")}
     assert lax["lax-coerced"]["latency_ms"] == 12.5 and lax["lax-coerced"]["choice_index"] == 1
@@ -98,3 +101,5 @@ def test_fast_path_plain_path_and_sqlite_store_the_same(tmp_path: Path, postgres
     assert lax["lax-extra"]["prompt"] == "p ü 🙂 \\ \"q\"\n"
     assert fast == plain
     assert fast == lite
+    assert lite == lite_plain
+    assert nulls == [nulls[0]] * 4 and nulls[0] > 0  # missing arrays are SQL NULL on every path
