@@ -10,9 +10,11 @@ synthetic stream (``realtime_rl.event_samples``) as fast as it can:
   ``rtrl ingest`` runs), into a fresh database; the tables are then checked against the stream
   (``rows_ok``).
 
-Also reported: the producer's own rate, and ``backlog_events_per_s`` / ``backlog_ceiling_events_per_s``
+Also reported: the producer's own rate, ``backlog_events_per_s`` / ``backlog_ceiling_events_per_s``
 (the same two measurements over a topic already full, i.e. catching up, with no producer competing
-for the cores). Kafka is the broker in ``bus.*`` when ``bus.backend = "kafka"``, else a local Tansu
+for the cores), and CPU microseconds per event of the backlog runs (consumer-only pass, ingester
+process, PostgreSQL server processes read from /proc): wall-clock rates on a shared machine move
+with its load, CPU per event much less. Kafka is the broker in ``bus.*`` when ``bus.backend = "kafka"``, else a local Tansu
 broker; PostgreSQL is a temporary database on ``RTRL_BENCH_PG_ADMIN_URL`` (default: the local server).
 """
 
@@ -82,15 +84,16 @@ class _Producer:
         return t0, t1
 
 
-def _consume_only(settings, topic: str, n: int, timeout_s: float) -> float:
-    """Poll + decode ``n`` records from offset 0; returns the wall-clock time the last one was decoded."""
+def _consume_only(settings, topic: str, n: int, timeout_s: float) -> tuple[float, float]:
+    """Poll + decode ``n`` records from offset 0; returns (wall-clock time the last one was decoded,
+    CPU seconds this process spent)."""
     from realtime_rl.bus import open_consumer
     from realtime_rl.ingest_decode import decode_record
 
     consumer = open_consumer(settings.bus, f"bench-ceiling-{uuid.uuid4().hex[:6]}")
     try:
         consumer.assign({(topic, p): 0 for p in consumer.partitions(topic)})
-        seen, deadline = 0, time.monotonic() + timeout_s
+        seen, deadline, cpu0 = 0, time.monotonic() + timeout_s, time.process_time()
         max_bytes = settings.ingest.max_event_bytes
         while seen < n:
             if time.monotonic() > deadline:
@@ -98,13 +101,39 @@ def _consume_only(settings, topic: str, n: int, timeout_s: float) -> float:
             for record in consumer.poll(timeout_s=0.5, max_records=settings.ingest.batch_max_records):
                 decode_record(record, max_bytes)
                 seen += 1
-        return time.time()
+        return time.time(), time.process_time() - cpu0
     finally:
         consumer.close()
 
 
-def _ingest(settings, n: int, timeout_s: float, on_ready: Callable[[], None] | None = None) -> tuple[float, Any]:
-    """Run the ingester until ``n`` records are committed; returns (wall time of last commit, stats)."""
+def _backend_cpu_s(engine) -> Callable[[], float]:
+    """CPU seconds used so far by this database's PostgreSQL server processes (0 for SQLite, which
+    runs inside the ingester and is counted there). Read from /proc: the server is on this machine."""
+    import sqlalchemy as sa
+
+    if engine.dialect.name != "postgresql":
+        return lambda: 0.0
+    with engine.connect() as conn:
+        pids = [r[0] for r in conn.execute(sa.text(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"))]
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def total() -> float:
+        used = 0
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            used += int(fields[11]) + int(fields[12])  # utime + stime
+        return used / ticks
+
+    return total
+
+
+def _ingest(settings, n: int, timeout_s: float, on_ready: Callable[[], None] | None = None) -> tuple[float, Any, dict]:
+    """Run the ingester until ``n`` records are committed; returns (wall time of last commit, stats,
+    CPU seconds of the ingester process and of its database server processes)."""
     from realtime_rl.ingest import Ingester
 
     ingester = Ingester(settings)
@@ -121,14 +150,17 @@ def _ingest(settings, n: int, timeout_s: float, on_ready: Callable[[], None] | N
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
+        backend_cpu = _backend_cpu_s(ingester.engine)
+        cpu0, db0 = time.process_time(), backend_cpu()
         if on_ready is not None:
             on_ready()
         ingester.run(stop)
         watcher.join()
+        cpu = {"ingester": time.process_time() - cpu0, "database": backend_cpu() - db0}
         if ingester.stats.records < n:
             raise TimeoutError(f"ingested {ingester.stats.records} of {n} records in {timeout_s} s")
         last_commit = time.time() - (time.monotonic() - ingester.stats.last_commit_s)
-        return last_commit, ingester.stats
+        return last_commit, ingester.stats, cpu
     finally:
         ingester.close()
 
@@ -192,13 +224,14 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print) -> di
                 c.partitions(s.bus.events_topic)  # create the topic before the clock starts
             producer = _Producer(s.bus, s.bus.events_topic, n, seed)
             producer.start()
-            t_done = _consume_only(s, s.bus.events_topic, n, timeout_s=300)
+            t_done, _ = _consume_only(s, s.bus.events_topic, n, timeout_s=300)
             t0, t1 = producer.result()
             ceiling = _rate(n, t_done - t0)
             producer_rate = _rate(n, t1 - t0)
             t_start = time.time()
-            t_done = _consume_only(s, s.bus.events_topic, n, timeout_s=300)
+            t_done, ceiling_cpu = _consume_only(s, s.bus.events_topic, n, timeout_s=300)
             backlog_ceiling = _rate(n, t_done - t_start)
+            ceiling_cpu_us = ceiling_cpu / n * 1e6
             log(f"{bus_name}: producer {producer_rate:.0f}/s, consumer-only ceiling {ceiling:.0f}/s "
                 f"(backlog {backlog_ceiling:.0f}/s)")
             for db_name in ("sqlite", "postgresql"):
@@ -208,7 +241,7 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print) -> di
                     url = stack.enter_context(devservices.temporary_postgres_database(pg_admin, "rtrl_bench"))
                 s = fresh(url)
                 producer = _Producer(s.bus, s.bus.events_topic, n, seed)
-                t_last, stats = _ingest(s, n, timeout_s=600, on_ready=producer.start)
+                t_last, stats, _ = _ingest(s, n, timeout_s=600, on_ready=producer.start)
                 t0, t1 = producer.result()
                 rows_ok = _check_rows(url, stream)
                 rate = _rate(n, t_last - t0)
@@ -220,7 +253,10 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print) -> di
                 s2 = s.model_copy(update={"db": s.db.model_copy(update={"url": SecretStr(url2)}),
                                           "ingest": s.ingest.model_copy(update={"group": "bench-backlog"})})
                 starts: list[float] = []
-                t_last2, _ = _ingest(s2, n, timeout_s=600, on_ready=lambda starts=starts: starts.append(time.time()))
+                t_last2, _, cpu = _ingest(s2, n, timeout_s=600,
+                                          on_ready=lambda starts=starts: starts.append(time.time()))
+                ingest_cpu_us = cpu["ingester"] / n * 1e6
+                db_cpu_us = cpu["database"] / n * 1e6
                 backlog = _rate(n, t_last2 - starts[0])
                 rows_ok = rows_ok and _check_rows(url2, stream)
                 log(f"{bus_name} -> {db_name}: {rate:.0f} events/s end to end ({rate / ceiling:.0%} of ceiling), "
@@ -232,6 +268,12 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print) -> di
                     "backlog_ceiling_events_per_s": backlog_ceiling,
                     "backlog_fraction_of_ceiling": round(backlog / backlog_ceiling, 3),
                     "transactions": stats.transactions, "rows_ok": rows_ok,
+                    # Load-independent view (backlog runs): CPU per event of the consumer-only pass,
+                    # of the ingester process, and of the PostgreSQL server (SQLite is in-process).
+                    "ceiling_cpu_us_per_event": round(ceiling_cpu_us, 1),
+                    "ingest_cpu_us_per_event": round(ingest_cpu_us, 1),
+                    "db_server_cpu_us_per_event": round(db_cpu_us, 1),
+                    "cpu_fraction_of_ceiling": round(ceiling_cpu_us / (ingest_cpu_us + db_cpu_us), 3),
                 })
     pg = [r for r in results if r["db"] == "postgresql"]
     return {
