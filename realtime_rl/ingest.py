@@ -19,6 +19,7 @@ the committed positions.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -269,7 +270,7 @@ class Ingester:
         idle_since = last_log = time.monotonic()
         logged = 0
         inflight: tuple[Future, _Batch] | None = None
-        with ThreadPoolExecutor(1, thread_name_prefix="ingest-commit") as pool:
+        with self._gc_tuned(), ThreadPoolExecutor(1, thread_name_prefix="ingest-commit") as pool:
             while not stop.is_set():
                 n = 0
                 try:
@@ -319,14 +320,26 @@ class Ingester:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._empty_polls = 0
-        while True:
-            n = self.run_once()
-            if progress is not None and n:
-                progress(n)
-            if n == 0 and self._empty_polls >= 2 and self.lag() == 0:
-                return self.stats
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"ingest did not catch up within {timeout_s} s (lag {self.lag()})")
+        with self._gc_tuned():
+            while True:
+                n = self.run_once()
+                if progress is not None and n:
+                    progress(n)
+                if n == 0 and self._empty_polls >= 2 and self.lag() == 0:
+                    return self.stats
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"ingest did not catch up within {timeout_s} s (lag {self.lag()})")
+
+    @contextlib.contextmanager
+    def _gc_tuned(self):
+        """Raise the gen-0 GC threshold for the duration (see ``ingest.gc_threshold``), then restore it."""
+        previous = gc.get_threshold()
+        if self.cfg.gc_threshold:
+            gc.set_threshold(self.cfg.gc_threshold, *previous[1:])
+        try:
+            yield
+        finally:
+            gc.set_threshold(*previous)
 
     def _recover(self, err: BaseException, stop: threading.Event) -> None:
         """After a failed step: nothing half-done is kept, so re-attach from the stored positions."""
