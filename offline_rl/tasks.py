@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 ENTRY_POINT = "f"
-VISIBLE_INPUTS = range(0, 13)
+ANCHOR_INPUTS = (0, 1, 2)
+"""Always shown: f(0) gives the constant, f(1) - f(0) the slope, so the task is inference, not guesswork."""
+VISIBLE_INPUTS = range(3, 13)
 HIDDEN_INPUTS = (-7, -3, -1, 5, 11, 17, 23, 31)
 N_VISIBLE = 4
 N_HIDDEN = 6
@@ -121,8 +123,13 @@ def render_prompt(examples: list[TestCase]) -> str:
     return f"# {shown}\ndef {ENTRY_POINT}(x): return "
 
 
+def visible_inputs(rng: random.Random) -> list[int]:
+    """The anchors 0, 1, 2 plus random inputs from 3..12 (which may reveal a kink: abs, max, min, mod)."""
+    return list(ANCHOR_INPUTS) + sorted(rng.sample(list(VISIBLE_INPUTS), N_VISIBLE - len(ANCHOR_INPUTS)))
+
+
 def make_task(spec: FunctionSpec, rng: random.Random, task_id: str) -> Task:
-    visible = sorted(rng.sample(list(VISIBLE_INPUTS), N_VISIBLE))
+    visible = visible_inputs(rng)
     hidden = rng.sample(HIDDEN_INPUTS, N_HIDDEN)
     examples = [TestCase([x], spec(x)) for x in visible]
     tests = [TestCase([x], spec(x)) for x in hidden]
@@ -152,7 +159,7 @@ def corpus(n_examples: int, seed: int = 0, heldout_fraction: float = 0.2,
     rng = random.Random(seed + 2)
     for _ in range(n_examples):
         spec = rng.choice(train_specs)
-        visible = sorted(rng.sample(list(VISIBLE_INPUTS), N_VISIBLE))
+        visible = visible_inputs(rng)
         answer = spec.spaced if rng.random() < spaced_share else spec.expr
         yield render_prompt([TestCase([x], spec(x)) for x in visible]) + answer + "\n"
 

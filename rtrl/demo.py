@@ -321,7 +321,7 @@ def _timed(state: DemoState, stage: str, outputs: dict[str, Any]):
     state.finish(stage, outputs)
 
 
-def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False,
+def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, from_production: bool = False,
              log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run (or resume) the lifecycle; returns the summary that ``--json`` prints."""
     import torch
@@ -340,6 +340,16 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False,
         log("demo: switching between --fast and the full run: resetting the report stage only")
         state.reset_from("report")
     state.data["fast"] = fast
+    if from_production and state.done("grpo") is None:
+        from policy.registry import Registry
+
+        production = Registry.from_settings(s.registry).channel("production")
+        if production is None:
+            raise DemoError(f"--from-production: the registry {s.registry.url} has no production version")
+        log(f"demo: starting from production version {production}; the offline stages are skipped")
+        for stage in ("model", "midtrain"):
+            state.finish(stage, {"skipped": True, "seconds": 0.0})
+        state.finish("grpo", {"skipped": True, "seconds": 0.0, "published_version": production})
     t_all = time.perf_counter()
 
     for stage in STAGES:
@@ -374,7 +384,7 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False,
     grpo, online = state.done("grpo") or {}, state.done("online") or {}
     summary = {
         "gate": s.eval.gate_threshold,
-        "gate_passed": bool(grpo.get("published_version")),
+        "gate_passed": bool(grpo.get("published_version")) and not grpo.get("skipped"),
         "pass_at_1_before": grpo.get("pass_at_1_before"),
         "pass_at_1_after": grpo.get("pass_at_1_after"),
         "published_version": grpo.get("published_version"),
@@ -398,6 +408,8 @@ def register(app: typer.Typer) -> None:
                                   "budgets, 2 real-time releases instead of 3."),
         restart: bool = typer.Option(False, "--restart", help="Forget finished stages and start over "
                                      "(var/ contents are reused where they are valid)."),
+        from_production: bool = typer.Option(False, "--from-production", help="Skip the offline stages: start "
+                                             "the online stage from the registry's production version."),
         as_json: bool = typer.Option(False, "--json", help="End with one JSON line summarising the run."),
         config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
     ) -> None:
@@ -407,7 +419,8 @@ def register(app: typer.Typer) -> None:
 
         settings = settings_or_exit(config)
         try:
-            summary = run_demo(settings, fast=fast, restart=restart, log=lambda m: typer.echo(m, err=as_json))
+            summary = run_demo(settings, fast=fast, restart=restart, from_production=from_production,
+                               log=lambda m: typer.echo(m, err=as_json))
         except DemoError as err:
             typer.echo(f"demo stopped: {err}", err=True)
             raise typer.Exit(1) from None

@@ -69,3 +69,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny_model")
     build_tiny_model(out, TinyModelSettings(corpus_examples=2000))
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """One `rtrl demo --fast --json` in a fresh directory: (workdir, summary, stderr). Used by the demo
+    tests and by the example-config test, which starts its online stage from this run's registry."""
+    import json
+    import subprocess
+    import sys
+
+    work = tmp_path_factory.mktemp("demo")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("RTRL_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-m", "rtrl", "demo", "--fast", "--json"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return work, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr

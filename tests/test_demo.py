@@ -23,17 +23,6 @@ pytestmark = pytest.mark.slow
 PLOTS = ("grpo_pass_rate.png", "accept_rate.png", "delta_size.png", "swap_pauses.png")
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("demo")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("RTRL_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-m", "rtrl", "demo", "--fast", "--json"], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return work, json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
-
-
 def _ink(png: Path) -> float:
     """Share of pixels that are not (near) white."""
     import matplotlib.image as mpimg
