@@ -7,14 +7,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field, SecretStr
+
+from policy.config import Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class TaskSettings(_Section):
+class TaskSettings(Section):
     """The built-in function-synthesis task generator (or a JSONL file of tasks)."""
 
     jsonl: str | None = Field(None, description="Load tasks from this JSONL file instead of the generator.")
@@ -24,7 +22,7 @@ class TaskSettings(_Section):
                                  "visible examples (one fixed prompt per function lets RL memorise prompts).")
 
 
-class MidtrainSettings(_Section):
+class MidtrainSettings(Section):
     """Continued next-token training on the synthetic code corpus (train-split functions only)."""
 
     out_dir: str = Field("var/runs/midtrain", description="Output HF directory (model + tokenizer).")
@@ -39,7 +37,7 @@ class MidtrainSettings(_Section):
     eval_at_end: bool = Field(True, description="Report held-out pass@1 of the result.")
 
 
-class GRPOSettings(_Section):
+class GRPOSettings(Section):
     """Group Relative Policy Optimization on the sandboxed environment (see offline_rl/grpo.py)."""
 
     out_dir: str = Field("var/runs/grpo", description="Run directory: checkpoints, metrics.jsonl, published HF dirs.")
@@ -80,7 +78,7 @@ class GRPOSettings(_Section):
     publish: bool = Field(True, description="Publish the first checkpoint that passes the gate.")
 
 
-class SandboxSettings(_Section):
+class SandboxSettings(Section):
     """Limits for running model-written code (see offline_rl/sandbox_zygote.py for the mechanism)."""
 
     isolation: Literal["auto", "namespace", "inprocess"] = Field(
@@ -96,7 +94,7 @@ class SandboxSettings(_Section):
                            "concurrently (hides fork/schedule latency; 32 programs 0.41 s -> 0.15 s).")
 
 
-class RewardSettings(_Section):
+class RewardSettings(Section):
     """Weights of the composite reward; every part is also logged on its own."""
 
     tests: float = Field(1.0, ge=0, description="Weight of the fraction of hidden tests passed.")
@@ -108,7 +106,7 @@ class RewardSettings(_Section):
                                "least one hidden test passes, so a wrong or hostile program earns exactly 0.")
 
 
-class JudgeSettings(_Section):
+class JudgeSettings(Section):
     """The judge for what tests cannot verify (style, structure)."""
 
     kind: Literal["rule", "llm"] = Field("rule", description="rule: deterministic checks; llm: any "
@@ -120,7 +118,7 @@ class JudgeSettings(_Section):
     max_retries: int = Field(1, ge=0, description="Retries per request (llm).")
 
 
-class EnvSettings(_Section):
+class EnvSettings(Section):
     """The coding environment the policy acts in."""
 
     mode: Literal["single", "multi"] = Field("single", description="single: write the expression once; multi: "
@@ -128,7 +126,7 @@ class EnvSettings(_Section):
     max_turns: int = Field(3, ge=1, description="Turns per episode in tool mode (unsubmitted episodes earn 0).")
 
 
-class EvalSettings(_Section):
+class EvalSettings(Section):
     """Held-out evaluation and the quality gate."""
 
     gate_threshold: float = Field(0.15, ge=0, le=1, description="Held-out pass@1 (T=1) a checkpoint must "

@@ -7,11 +7,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """Base of every settings section: unknown keys are errors, assignments are validated."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class ModelSettings(_Section):
+class ModelSettings(Section):
     """Which Hugging Face causal-LM directory to use and how to load it."""
 
     dir: str = Field("var/models/tiny", description="Local HF directory (config, safetensors, tokenizer). "
@@ -23,7 +25,7 @@ class ModelSettings(_Section):
                          "models on shared cores; benchmarks record it).")
 
 
-class TinyModelSettings(_Section):
+class TinyModelSettings(Section):
     """Shape of the tiny default model built by `rtrl init-model` (Llama architecture)."""
 
     hidden_size: int = Field(192, ge=16, description="Model width.")
@@ -36,7 +38,7 @@ class TinyModelSettings(_Section):
     seed: int = Field(0, description="Seed for weights and corpus: same seed, same model.")
 
 
-class RegistrySettings(_Section):
+class RegistrySettings(Section):
     """The version registry: the only way weights move between stages."""
 
     url: str = Field("var/registry", description="Local directory or fsspec URL (e.g. s3://bucket/registry).")

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field, SecretStr
+
+from policy.config import Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class BusSettings(_Section):
+class BusSettings(Section):
     """Event bus: Kafka in production, an embedded durable log by default."""
 
     backend: Literal["embedded", "kafka"] = Field("embedded", description="Which bus backend to use.")
@@ -59,7 +57,7 @@ class BusSettings(_Section):
                                            description="Kafka consumer: max bytes per partition per fetch.")
 
 
-class DatabaseSettings(_Section):
+class DatabaseSettings(Section):
     """The feedback tables."""
 
     url: SecretStr = Field(SecretStr("sqlite:///var/feedback.db"),
@@ -70,7 +68,7 @@ class DatabaseSettings(_Section):
     sqlite_busy_timeout_s: float = Field(30.0, gt=0, description="SQLite: wait this long for a write lock.")
 
 
-class IngestSettings(_Section):
+class IngestSettings(Section):
     """`rtrl ingest`: bus -> feedback tables with exactly-once effect."""
 
     group: str = Field("rtrl-ingest", description="Consumer group; its offsets live in `consumer_offsets`.")
@@ -93,7 +91,7 @@ class IngestSettings(_Section):
                               "The objects are acyclic, so reference counting still frees them at once.")
 
 
-class UpdateSettings(_Section):
+class UpdateSettings(Section):
     """`rtrl update`: single-rollout REINFORCE from logged feedback (see realtime_rl/update.py)."""
 
     reward_accept: float = Field(0.75, description="Reward of an accepted completion.")
@@ -137,7 +135,7 @@ class UpdateSettings(_Section):
     work_dir: str = Field("var/runs/realtime", description="Scratch directory for candidate weights.")
 
 
-class ReleaseGateSettings(_Section):
+class ReleaseGateSettings(Section):
     """The release gate: offline held-out pass@1 plus an off-policy estimate of the accept rate."""
 
     offline_epsilon: float = Field(0.03, ge=0, le=1, description="Candidate pass@1 may be at most this far "
@@ -161,7 +159,7 @@ class ReleaseGateSettings(_Section):
     canary_min_feedback: int = Field(100, ge=1, description="Canary feedbacks needed before promotion.")
 
 
-class ScheduleSettings(_Section):
+class ScheduleSettings(Section):
     """`rtrl scheduler`: when updates run, and the lock that keeps one updater at a time."""
 
     update_interval: str = Field("3h", description="Interval (`3h`, `90m`, `45s`) or a 5-field cron expression.")
@@ -174,7 +172,7 @@ class ScheduleSettings(_Section):
                                 "process is gone are taken over (PostgreSQL advisory locks die with the session).")
 
 
-class SimUsersSettings(_Section):
+class SimUsersSettings(Section):
     """Simulated users for development, tests and `rtrl bench online`."""
 
     n_users: int = Field(16, ge=1, description="Callers, each with its own API key.")

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field, SecretStr
+
+from policy.config import Section
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ServingSettings(_Section):
+class ServingSettings(Section):
     """The OpenAI-compatible gateway: engine, versions and hot swap, access control, limits, events."""
 
     host: str = Field("127.0.0.1", description="Bind address.")
