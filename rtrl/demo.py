@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -176,14 +177,22 @@ class _Traffic(threading.Thread):
         return self.per_version.get(version, [0, 0])[0]
 
 
+def _as_utc(value) -> datetime:
+    """Timestamps come back aware from PostgreSQL, naive (but UTC) from SQLite."""
+    t = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
 def _released_since(engine, since_iso: str) -> list[dict[str, Any]]:
     from realtime_rl.release import list_releases
 
-    return [r for r in reversed(list_releases(engine, limit=200))
-            if r["decision"] == "released" and str(r["created_at"]) >= since_iso]
+    since = _as_utc(since_iso)
+    return [r for r in reversed(list_releases(engine, limit=500))
+            if r["decision"] == "released" and _as_utc(r["created_at"]) >= since]
 
 
-def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], started: str) -> dict[str, Any]:
+def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], started: str,
+                 state: DemoState) -> dict[str, Any]:
     from tqdm import tqdm
 
     from offline_rl.tasks import generate_tasks
@@ -220,6 +229,18 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
     log(f"online: ingester and scheduler (every {plan.update_interval}, min_feedback {plan.min_feedback}) "
         f"running; {len(users)} simulated users sending traffic")
 
+    # Swaps are saved as they happen, so that an interrupted and resumed stage still reports them.
+    swaps: list[dict[str, Any]] = state.data.setdefault("online_swaps", [])
+
+    def record_swaps() -> None:
+        history = list(getattr(server.gateway.watcher, "history", []))
+        seen = {(w["version"], w["channel"]) for w in swaps}
+        new = [{"channel": c, "version": v, "pause_ms": round(p * 1000, 3)} for c, v, p in history
+               if (v, c) not in seen]
+        if new:
+            swaps.extend(new)
+            state.save()
+
     deadline = time.monotonic() + plan.online_budget_s
     bar = tqdm(total=plan.releases, desc="online releases", dynamic_ncols=True)
     released: list[dict[str, Any]] = []
@@ -229,6 +250,7 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
             bar.n = min(len(released), plan.releases)
             bar.set_postfix(requests=traffic.requests, production=(registry.channel("production") or "")[:10])
             bar.refresh()
+            record_swaps()
             if len(released) >= plan.releases:
                 break
             if not traffic.is_alive():
@@ -240,6 +262,7 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
         wait_until = time.monotonic() + 120
         while traffic.served(newest) < plan.final_requests and time.monotonic() < wait_until:
             time.sleep(1.0)
+        record_swaps()
     finally:
         bar.close()
         traffic.stop_event.set()
@@ -253,8 +276,6 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
         stop.set()
         ingest_thread.join(timeout=60)
         ingester.close()
-    swaps = [{"channel": c, "version": v, "pause_ms": round(p * 1000, 3)}
-             for c, v, p in getattr(server.gateway.watcher, "history", [])]
     log(f"online: {len(released)} release(s), {traffic.requests} requests, {traffic.errors} failed requests")
     if traffic.errors:
         log("online: failed request samples: " + " | ".join(traffic.error_samples))
@@ -287,10 +308,11 @@ def gather_report(s: Settings, state: DemoState):
     releases = {r["candidate_version"]: r for r in list_releases(engine, limit=500)}
     registry = Registry.from_settings(s.registry)
     infos = {v.id: v for v in registry.list()}
-    first = online.get("first_production") or grpo.get("published_version")
-    chain = [first] + [r["candidate_version"] for r in sorted(releases.values(), key=lambda r: str(r["created_at"]))
-                       if str(r["created_at"]) >= online.get("started_at", "")]
-    for version in [v for v in chain if v]:
+    first = grpo.get("published_version") or online.get("first_production")
+    since = _as_utc(online["started_at"]) if online.get("started_at") else None
+    chain = [first] + [r["candidate_version"] for r in sorted(releases.values(), key=lambda r: _as_utc(r["created_at"]))
+                       if since is None or _as_utc(r["created_at"]) >= since]
+    for version in dict.fromkeys(v for v in chain if v):
         info = infos.get(version)
         rel = releases.get(version)
         acc = accept.get(version, {})
@@ -322,7 +344,7 @@ def _timed(state: DemoState, stage: str, outputs: dict[str, Any]):
 
 
 def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, from_production: bool = False,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
+             log: Callable[[str], None] = print, summary_to_stderr: bool = False) -> dict[str, Any]:
     """Run (or resume) the lifecycle; returns the summary that ``--json`` prints."""
     import torch
 
@@ -336,6 +358,7 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
     if restart:
         state.reset_from("model")
         state.data.pop("online_started_at", None)
+        state.data.pop("online_swaps", None)
     if state.data.get("fast") not in (None, fast):
         log("demo: switching between --fast and the full run: resetting the report stage only")
         state.reset_from("report")
@@ -370,17 +393,15 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
                 # Kept outside the stage record so that an interrupted online stage, rerun, still
                 # counts the releases it already made.
                 if "online_started_at" not in state.data:
-                    from datetime import UTC, datetime
-
                     state.data["online_started_at"] = datetime.now(UTC).isoformat()
                     state.save()
-                outputs.update(stage_online(s, plan, log, state.data["online_started_at"]))
+                outputs.update(stage_online(s, plan, log, state.data["online_started_at"], state))
             elif stage == "report":
                 data = gather_report(s, state)
                 outputs["index"] = str(write_report(data, Path(s.var_dir) / "report"))
     data = gather_report(s, state)
     index = write_report(data, Path(s.var_dir) / "report")
-    print_summary(data)
+    print_summary(data, stderr=summary_to_stderr)
     grpo, online = state.done("grpo") or {}, state.done("online") or {}
     summary = {
         "gate": s.eval.gate_threshold,
@@ -388,6 +409,9 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
         "pass_at_1_before": grpo.get("pass_at_1_before"),
         "pass_at_1_after": grpo.get("pass_at_1_after"),
         "published_version": grpo.get("published_version"),
+        "published_step": grpo.get("published_step"),
+        "published_pass_at_1": next((e["pass_at_1"] for e in grpo.get("evals", [])
+                                     if e["step"] == grpo.get("published_step")), None),
         "realtime_releases": len(online.get("releases", [])),
         "failed_requests": online.get("failed_requests"),
         "report": str(index),
@@ -420,7 +444,7 @@ def register(app: typer.Typer) -> None:
         settings = settings_or_exit(config)
         try:
             summary = run_demo(settings, fast=fast, restart=restart, from_production=from_production,
-                               log=lambda m: typer.echo(m, err=as_json))
+                               log=lambda m: typer.echo(m, err=as_json), summary_to_stderr=as_json)
         except DemoError as err:
             typer.echo(f"demo stopped: {err}", err=True)
             raise typer.Exit(1) from None

@@ -101,7 +101,7 @@ def _plots(data: ReportData, out: Path) -> list[tuple[str, str]]:
     fig.tight_layout()
     fig.savefig(out / "delta_size.png")
     plt.close(fig)
-    figures.append(("delta_size.png", "Bytes stored per version; labels give the ratio to raw bf16 size."))
+    figures.append(("delta_size.png", "Bytes stored per version; labels give the ratio to the raw tensor bytes (the tiny model is fp32)."))
 
     fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
     if data.swap_pauses_ms:
@@ -169,7 +169,7 @@ td, th {{ border-bottom: 1px solid #e5e5e5; padding: .3rem .5rem; text-align: le
     return out / "index.html"
 
 
-def print_summary(data: ReportData) -> None:
+def print_summary(data: ReportData, stderr: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -180,7 +180,7 @@ def print_summary(data: ReportData) -> None:
         table.add_row(v.version[:12], v.stage, "yes" if v.released else "refused", _fmt(v.offline_pass_at_1),
                       _fmt(v.accept_rate), f"[{_fmt(v.ci[0])}, {_fmt(v.ci[1])}]" if v.ci else "–",
                       str(v.n_feedback), _fmt(v.ope_estimate))
-    console = Console()
+    console = Console(stderr=stderr)
     console.print(table)
     console.print(f"held-out pass@1 {_fmt(data.pass_before)} → {_fmt(data.pass_after)} (gate {data.gate:.2f}); "
                   f"stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in data.stage_seconds.items()))
