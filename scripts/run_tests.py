@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,14 +39,12 @@ def main(argv: list[str]) -> int:
         devservices.ensure_postgres()
         started_pg = True
     ensure_chromium()
-    t0 = time.monotonic()
     try:
         rc = subprocess.call([sys.executable, "-m", "pytest", *argv], cwd=ROOT)
     finally:
         if started_pg:
             subprocess.run("pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main stop",
                            shell=True, check=False)
-    print(f"test run took {time.monotonic() - t0:.0f} s", flush=True)
     return rc
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 PLOTS = ("grpo_pass_rate.png", "accept_rate.png", "delta_size.png", "swap_pauses.png")
 

@@ -30,6 +30,7 @@ def test_example_configs_load(name):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 @pytest.mark.postgres
 @pytest.mark.kafka
 def test_postgres_kafka_config_runs_the_online_lifecycle(demo_run, postgres_url, kafka_bootstrap, tmp_path):
