@@ -414,7 +414,7 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
                                      if e["step"] == grpo.get("published_step")), None),
         "realtime_releases": len(online.get("releases", [])),
         "failed_requests": online.get("failed_requests"),
-        "report": str(index),
+        "report": str(Path(index).resolve()),
         "stage_seconds": {k: v.get("seconds") for k, v in state.data["stages"].items()},
         "this_run_s": round(time.perf_counter() - t_all, 1),
         "versions": [{"version": v.version, "stage": v.stage, "accept_rate": v.accept_rate, "ci": v.ci,
