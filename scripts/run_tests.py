@@ -33,6 +33,8 @@ def ensure_chromium() -> None:
 
 def main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Tests call the `rtrl` console script by name, as a user would: the venv's bin goes first on PATH.
+    os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
     started_pg = False
     if not devservices.postgres_reachable():
         print("PostgreSQL is down: starting it for the tests", flush=True)
