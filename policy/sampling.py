@@ -11,10 +11,20 @@ Rows may carry different sampling parameters (the serving engine batches concurr
 temperature / top-k / top-p / seed are applied per row. Finished rows are dropped from the batch and
 the KV cache as they finish. Prompts are left-padded; position ids count real tokens only, which is
 what makes the teacher-forced recompute in :mod:`policy.logprobs` agree with these numbers.
+
+Streaming hooks (both optional; nothing extra is computed when they are None):
+
+* ``on_step(rows, tokens)`` is called once per decoding step with the original row indices that
+  sampled a token in this step and those token ids (eos included), in the same order;
+* ``on_finish(row, sample)`` is called as soon as a row finishes (eos, stop string, length) with its
+  complete :class:`Sample`, while the other rows of the batch are still decoding.
+
+Both run on the generating thread between steps: keep them short (hand the data to another thread).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -79,8 +89,12 @@ def _filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
 
 @torch.no_grad()
 def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams], *, eos_token_id: int | None,
-                 pad_token_id: int, decode=None) -> list[Sample]:
-    """Sample one completion per row. ``params[i]`` applies to row i (its ``n`` is ignored here)."""
+                 pad_token_id: int, decode=None,
+                 on_step: Callable[[list[int], list[int]], None] | None = None,
+                 on_finish: Callable[[int, Sample], None] | None = None) -> list[Sample]:
+    """Sample one completion per row. ``params[i]`` applies to row i (its ``n`` is ignored here).
+
+    ``on_step`` / ``on_finish``: see the module docstring (per-step tokens, per-row completion)."""
     if len(prompt_ids) != len(params):
         raise ValueError("one SamplingParams per prompt row")
     if not prompt_ids:
@@ -117,7 +131,21 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
     finish: list[str | None] = [None] * B
     texts: list[str] = [""] * B
     active = list(range(B))  # original row index of each live batch row
+    samples: list[Sample | None] = [None] * B
     cache = None
+
+    def finished(row: int) -> None:
+        ids = out_tokens[row]
+        if finish[row] is None:
+            finish[row] = FINISH_LENGTH
+        if not texts[row] and decode is not None:
+            body = ids[:-1] if (finish[row] == FINISH_STOP and eos_token_id is not None and ids
+                                and ids[-1] == eos_token_id) else ids
+            texts[row] = decode(body)
+        samples[row] = Sample(prompt_token_ids=list(prompt_ids[row]), token_ids=ids, text=texts[row],
+                              finish_reason=finish[row], logprobs=out_lp[row], sampling_logprobs=out_slp[row])
+        if on_finish is not None:
+            on_finish(row, samples[row])
     step_ids, step_pos = input_ids, position_ids
 
     for _ in range(int(budget.max())):
@@ -144,6 +172,8 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
         slp = samp_logp.gather(1, choice.unsqueeze(1)).squeeze(1)
         slp = torch.where(greedy[idx], torch.zeros_like(slp), slp).tolist()
         tokens = choice.tolist()
+        if on_step is not None:
+            on_step(list(active), tokens)
 
         keep: list[int] = []
         for j, row in enumerate(active):
@@ -153,6 +183,7 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
             out_slp[row].append(slp[j])
             if eos_token_id is not None and tok == eos_token_id:
                 finish[row] = FINISH_STOP
+                finished(row)
                 continue
             stops = params[row].stop
             if stops and decode is not None:
@@ -161,9 +192,11 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
                 if hit >= 0:
                     texts[row] = text[:hit]
                     finish[row] = FINISH_STOP
+                    finished(row)
                     continue
             if len(out_tokens[row]) >= params[row].max_new_tokens:
                 finish[row] = FINISH_LENGTH
+                finished(row)
                 continue
             keep.append(j)
         if not keep:
@@ -179,17 +212,9 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
         step_pos = step_pos[:, -1:] + 1
         attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype, device=device)], dim=1)
 
-    samples = []
     for row in range(B):
-        ids = out_tokens[row]
-        if finish[row] is None:
-            finish[row] = FINISH_LENGTH
-        if not texts[row] and decode is not None:
-            body = ids[:-1] if (finish[row] == FINISH_STOP and eos_token_id is not None and ids
-                                and ids[-1] == eos_token_id) else ids
-            texts[row] = decode(body)
-        samples.append(Sample(prompt_token_ids=list(prompt_ids[row]), token_ids=ids, text=texts[row],
-                              finish_reason=finish[row], logprobs=out_lp[row], sampling_logprobs=out_slp[row]))
+        if samples[row] is None:  # every row finishes inside the loop; kept as a guard
+            finished(row)
     return samples
 
 

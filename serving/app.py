@@ -11,17 +11,28 @@ client mistake.
 Bodies are read and validated here (not by FastAPI's parameter injection) so that the size limit
 applies while reading and every validation error has the same shape.
 
-Streaming note: the engines generate a request's tokens in one batched call, so a streamed response
-is sent token by token once its batch has finished (correct SSE framing, no earlier first token).
+Streaming is incremental: a streamed request is submitted with a token listener (see
+:mod:`serving.engines.base`); the engine thread hands each decoding step's tokens to the request's
+event loop (:class:`TokenFeed`), and each choice's new text is sent as soon as it is final
+(:class:`StreamText`: an incomplete UTF-8 sequence, or a tail that could still become a stop
+string, is held back until it resolves). The response starts when the first tokens exist, so errors
+before that (overload, timeout in the queue) still get their HTTP status; a failure after it arrives
+as an SSE ``{"error": ...}`` event, which the openai client raises. Completion ids and feedback tokens
+are in every chunk; per-token log-probs (when asked for) come with each choice's last chunk; the
+completion event (all token ids and log-probs) is emitted when the choices are complete, also when
+the client disconnected mid-stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -108,6 +119,80 @@ def _parse(model: type[BaseModel], raw: bytes):
                        details=details, param=where) from None
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
+        loop.call_soon_threadsafe(fn, *args)
+
+
+class TokenFeed:
+    """Engine thread -> one request's event loop: ``("tokens", version, [(row, token)])`` per decoding step,
+    then ``("done", future)``. Items arrive in the order the engine produced them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.ready = asyncio.Event()
+
+    def listener(self, version: str, step: list[tuple[int, int]]) -> None:  # engine thread
+        _call_soon(self.loop, self._put, ("tokens", version, step))
+
+    def done(self, fut: Future) -> None:  # engine thread (or here, if already done)
+        _call_soon(self.loop, self._put, ("done", fut))
+
+    def _put(self, item: tuple) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def get(self) -> tuple:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.items.popleft()
+
+
+class StreamText:
+    """One choice's text as its tokens arrive: :meth:`push` returns the newly final text.
+
+    Text is final when it cannot change any more: a trailing incomplete UTF-8 sequence (decoded as
+    U+FFFD) waits for its next byte, and a tail that is the beginning of a stop string waits until it
+    either completes the stop string (then it is cut, as in the engine) or diverges. So the pieces sent
+    are always a prefix of the choice's final text, and :meth:`finish` sends the rest.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tokenizer, self.stop = tokenizer, [x for x in stop if x]
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def _held(self, text: str) -> int:
+        held = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:n]):
+                    held = n
+                    break
+        return held
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+        if self.stop:
+            hit = min((text.find(x) for x in self.stop if x in text), default=-1)
+            text = text[:hit] if hit >= 0 else text[:len(text) - self._held(text)]
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
+
+    def finish(self, final: str) -> str:
+        """The rest of ``final`` (the engine's text for this choice) after what was sent."""
+        if not final.startswith(self.sent):  # cannot happen with a prefix-stable decoder; never silent
+            log.warning("streamed text %r is not a prefix of the final text %r", self.sent, final)
+            return final[len(self.sent):] if len(final) > len(self.sent) else ""
+        rest, self.sent = final[len(self.sent):], final
+        return rest
+
+
 def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
     """The FastAPI app. Without ``gateway`` one is built from settings and started with the app."""
     own = gateway is None
@@ -181,7 +266,8 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
             return ids, [gw.engine.tokenizer.decode(x) for x in ids]
         return [encode(t) for t in texts], texts
 
-    async def generate(key_id: str, req, prompts: list[list[int]], max_tokens: int | None, route: str):
+    def plan(req, prompts: list[list[int]], max_tokens: int | None, key_id: str):
+        """Validate limits and build the engine rows: (rows, params, channel, max_new)."""
         if req.n > s.max_n:
             raise APIError(422, f"n={req.n} exceeds the limit {s.max_n}", "invalid_request_error", "n_too_large",
                            param="n")
@@ -202,45 +288,64 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
                                f"(max_prompt_tokens {s.max_prompt_tokens}, context {ctx})",
                                "invalid_request_error", "context_length_exceeded", param="prompt")
         rows, params = [], []
+        stop = list(req.stop)
         for i, ids in enumerate(prompts):
             for k in range(req.n):
                 rows.append(ids)
                 seed = None if req.seed is None else (req.seed + SEED_STRIDE * i + k) % 2**63
                 params.append(SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                             max_new_tokens=max_new, stop=list(req.stop), seed=seed))
+                                             max_new_tokens=max_new, stop=stop, seed=seed))
         if len(rows) > s.max_batch * 4:
             raise APIError(422, f"{len(rows)} sequences (prompts x n) in one request exceed the limit "
                            f"{s.max_batch * 4}", "invalid_request_error", "too_many_sequences")
+        return rows, params, channel, max_new
+
+    def submit(rows, params, channel, listener=None):
         try:
-            fut = gw.engine.submit(rows, params, channel)
+            return gw.engine.submit(rows, params, channel, listener)
         except Overloaded as err:
             raise APIError(503, f"overloaded: {err}", "server_overloaded", "overloaded", retry_after=1) from None
         except EngineClosed as err:
             raise APIError(503, str(err), "server_unavailable", "unavailable", retry_after=5) from None
+
+    def engine_error(err: BaseException) -> APIError:
+        if isinstance(err, TimeoutError):
+            return APIError(503, "timed out waiting for the engine", "server_overloaded", "timeout", retry_after=5)
+        if isinstance(err, EngineClosed):
+            return APIError(503, str(err), "server_unavailable", "unavailable", retry_after=5)
+        if isinstance(err, ContextTooLong):
+            return APIError(413, str(err), "invalid_request_error", "context_length_exceeded")
+        raise err  # a bug: the 500 handler logs it
+
+    async def generate(key_id: str, req, prompts: list[list[int]], max_tokens: int | None):
+        rows, params, channel, max_new = plan(req, prompts, max_tokens, key_id)
+        fut = submit(rows, params, channel)
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(s.request_timeout_s):
                 gens: list[Generation] = await asyncio.wrap_future(fut)
-        except TimeoutError:
-            raise APIError(503, "timed out waiting for the engine", "server_overloaded", "timeout",
-                           retry_after=5) from None
-        except EngineClosed as err:
-            raise APIError(503, str(err), "server_unavailable", "unavailable", retry_after=5) from None
-        except ContextTooLong as err:
-            raise APIError(413, str(err), "invalid_request_error", "context_length_exceeded") from None
+        except (TimeoutError, EngineClosed, ContextTooLong) as err:
+            raise engine_error(err) from None
         return gens, (time.perf_counter() - t0), max_new
 
-    def record(key_id: str, req, gens: list[Generation], prompt_texts: list[str], max_new: int,
-               t_start: float) -> tuple[str, list[tuple[str, str]]]:
-        """Ids, tokens and events for each choice; returns (model string, [(completion_id, token)])."""
+    def attribution(key_id: str, n_choices: int, version: str) -> list[tuple[str, str]]:
+        """(completion_id, feedback_token) for each choice."""
         now = time.time()
+        out = []
+        for _ in range(n_choices):
+            cid = "cmpl-" + uuid.uuid4().hex
+            out.append((cid, gw.tokens.issue(cid, key_id, version, now)))
+        return out
+
+    def record(key_id: str, req, gens: list[Generation], prompt_texts: list[str], max_new: int,
+               t_start: float, ids: list[tuple[str, str]] | None = None) -> tuple[str, list[tuple[str, str]]]:
+        """Emit each choice's completion event; returns (model string, [(completion_id, token)])."""
         latency_ms = (time.perf_counter() - t_start) * 1000
+        if ids is None:
+            ids = attribution(key_id, len(gens), gens[0].version)
         sampling = SamplingRecord(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                   max_tokens=max_new, stop=list(req.stop), seed=req.seed)
-        out = []
-        for idx, g in enumerate(gens):
-            cid = "cmpl-" + uuid.uuid4().hex
-            out.append((cid, gw.tokens.issue(cid, key_id, g.version, now)))
+        for idx, (g, (cid, _)) in enumerate(zip(gens, ids, strict=True)):
             sample = g.sample
             gw.emitter.emit(CompletionEvent(
                 completion_id=cid, caller=key_id, model=gw.model_name, version=g.version,
@@ -251,26 +356,29 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
                 choice_index=idx))
             m.completions.labels(g.version).inc()
             m.tokens.inc(len(sample.token_ids))
-        return f"{gw.model_name}@{gens[0].version}", out
+        return f"{gw.model_name}@{gens[0].version}", ids
 
     def token_strings(ids: list[int]) -> list[str]:
         return [gw.engine.tokenizer.decode([t]) for t in ids]
 
-    def text_pieces(ids: list[int], final: str) -> list[str]:
-        """Per-token text increments whose concatenation is exactly ``final`` (stop-truncated)."""
-        tok = gw.engine.tokenizer
-        pieces, done = [], 0
-        for i in range(len(ids)):
-            cur = tok.decode(ids[:i + 1], skip_special_tokens=True)
-            if cur.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
-                pieces.append("")
-                continue
-            end = min(len(cur), len(final))
-            pieces.append(final[done:end] if end > done else "")
-            done = max(done, end)
-        if pieces:
-            pieces[-1] += final[done:]
-        return pieces or [final]
+    def completion_logprobs(req, g: Generation) -> CompletionLogprobs | None:
+        if req.logprobs is None:
+            return None
+        toks = token_strings(g.sample.token_ids)
+        offsets, pos = [], 0
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return CompletionLogprobs(tokens=toks, token_logprobs=g.sample.logprobs, text_offset=offsets,
+                                  top_logprobs=[{t: v} for t, v in zip(toks, g.sample.logprobs, strict=True)]
+                                  if req.logprobs > 0 else None)
+
+    def chat_logprobs(req, g: Generation) -> ChoiceLogprobs | None:
+        if not req.logprobs:
+            return None
+        toks = token_strings(g.sample.token_ids)
+        return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=v, bytes=list(t.encode()), top_logprobs=[])
+                                       for t, v in zip(toks, g.sample.logprobs, strict=True)])
 
     def usage(gens: list[Generation], prompts: list[list[int]]) -> Usage:
         pt = sum(len(p) for p in prompts)
@@ -289,49 +397,161 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         data = obj if isinstance(obj, str) else obj.model_dump_json(exclude_none=False)
         return f"data: {data}\n\n".encode()
 
+    async def stream(key_id: str, req, route: str, prompts: list[list[int]], prompt_texts: list[str],
+                     max_tokens: int | None, t_start: float, chunks) -> StreamingResponse:
+        """Submit with a token listener; answer once the first tokens (or an error) arrive, then send each
+        choice's text as it is generated. ``chunks`` renders the route's chunk bodies."""
+        rows, params, channel, max_new = plan(req, prompts, max_tokens, key_id)
+        loop = asyncio.get_running_loop()
+        feed = TokenFeed(loop)
+        fut = submit(rows, params, channel, feed.listener)
+        t_submit = time.perf_counter()
+        fut.add_done_callback(feed.done)
+        deadline = loop.time() + s.request_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                first = await feed.get()
+        except TimeoutError as err:
+            fut.cancel()
+            raise engine_error(err) from None
+        if first[0] == "done" and first[1].exception() is not None:
+            raise engine_error(first[1].exception())
+        version = first[1] if first[0] == "tokens" else first[1].result()[0].version
+        ids = attribution(key_id, len(rows), version)
+        model = f"{gw.model_name}@{version}"
+        rid, created = chunks.new_id(), int(time.time())
+        texts = [StreamText(gw.engine.tokenizer, p.stop) for p in params]
+        state = {"recorded": False}
+
+        def record_done(f: Future) -> None:
+            if state["recorded"] or f.cancelled() or f.exception() is not None:
+                return
+            state["recorded"] = True
+            record(key_id, req, f.result(), prompt_texts, max_new, t_start, ids)
+
+        async def events() -> AsyncIterator[bytes]:
+            item = first
+            try:
+                for i, (cid, token) in enumerate(ids):
+                    head = chunks.start(rid, created, model, i, cid, token)
+                    if head is not None:
+                        yield sse(head)
+                while True:
+                    if item[0] == "tokens":
+                        out = []
+                        for k, tok in item[2]:
+                            delta = texts[k].push(tok)
+                            if delta:
+                                out.append(sse(chunks.delta(rid, created, model, k, *ids[k], delta)))
+                        if out:
+                            yield b"".join(out)
+                    else:
+                        f = item[1]
+                        if f.exception() is not None:
+                            err = engine_error(f.exception())
+                            yield sse(ErrorResponse(error=ErrorDetail(message=err.message, type=err.type,
+                                                                      code=err.code)))
+                            return
+                        gens = f.result()
+                        record_done(f)
+                        out = []
+                        for k, g in enumerate(gens):
+                            rest = texts[k].finish(g.sample.text)
+                            out += [sse(c) for c in chunks.end(rid, created, model, k, *ids[k], rest, g)]
+                        if req.include_usage:
+                            out.append(sse(chunks.usage(rid, created, model, usage(gens, prompts))))
+                        out.append(sse("[DONE]"))
+                        finish(route, t_start, time.perf_counter() - t_submit)
+                        yield b"".join(out)
+                        return
+                    async with asyncio.timeout_at(deadline):
+                        item = await feed.get()
+            except TimeoutError:
+                err = engine_error(TimeoutError())
+                yield sse(ErrorResponse(error=ErrorDetail(message=err.message, type=err.type, code=err.code)))
+            finally:
+                if not state["recorded"]:
+                    # The client went away (or the stream failed) before the end: the engine still finishes
+                    # the rows, and what it generated is recorded like any other completion.
+                    fut.add_done_callback(lambda f: _call_soon(loop, record_done, f))
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    class CompletionChunks:
+        def __init__(self, req) -> None:
+            self.req = req
+
+        @staticmethod
+        def new_id() -> str:
+            return "cmpl-" + uuid.uuid4().hex[:24]
+
+        @staticmethod
+        def _body(rid, created, model, choices, usage=None):
+            return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
+
+        def start(self, rid, created, model, i, cid, token):
+            return None
+
+        def delta(self, rid, created, model, i, cid, token, text):
+            return self._body(rid, created, model, [CompletionChoice(
+                index=i, text=text, finish_reason=None, completion_id=cid, feedback_token=token)])
+
+        def end(self, rid, created, model, i, cid, token, rest, g: Generation):
+            return [self._body(rid, created, model, [CompletionChoice(
+                index=i, text=rest, finish_reason=g.sample.finish_reason, logprobs=completion_logprobs(self.req, g),
+                completion_id=cid, feedback_token=token)])]
+
+        def usage(self, rid, created, model, u):
+            return self._body(rid, created, model, [], u)
+
+    class ChatChunks:
+        def __init__(self, req) -> None:
+            self.req = req
+
+        @staticmethod
+        def new_id() -> str:
+            return "chatcmpl-" + uuid.uuid4().hex[:24]
+
+        @staticmethod
+        def _chunk(rid, created, model, i, cid, token, delta, finish_reason=None, lp=None):
+            return ChatChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
+                index=i, delta=delta, finish_reason=finish_reason, logprobs=lp, completion_id=cid,
+                feedback_token=token)])
+
+        def start(self, rid, created, model, i, cid, token):
+            return self._chunk(rid, created, model, i, cid, token, ChatDelta(role="assistant", content=""))
+
+        def delta(self, rid, created, model, i, cid, token, text):
+            return self._chunk(rid, created, model, i, cid, token, ChatDelta(content=text))
+
+        def end(self, rid, created, model, i, cid, token, rest, g: Generation):
+            out = []
+            lp = chat_logprobs(self.req, g)
+            if rest or lp is not None:
+                out.append(self._chunk(rid, created, model, i, cid, token, ChatDelta(content=rest), lp=lp))
+            out.append(self._chunk(rid, created, model, i, cid, token, ChatDelta(), g.sample.finish_reason))
+            return out
+
+        def usage(self, rid, created, model, u):
+            return ChatChunk(id=rid, created=created, model=model, choices=[], usage=u)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         t_start = time.perf_counter()
-        key_id = authenticate(request, "/v1/completions")
+        route = "/v1/completions"
+        key_id = authenticate(request, route)
         req = _parse(CompletionRequest, await _read_body(request, s.max_request_bytes))
         prompts, texts = prompt_rows(req)
-        gens, engine_s, max_new = await generate(key_id, req, prompts, req.max_tokens, "/v1/completions")
+        if req.stream:
+            return await stream(key_id, req, route, prompts, texts, req.max_tokens, t_start, CompletionChunks(req))
+        gens, engine_s, max_new = await generate(key_id, req, prompts, req.max_tokens)
         model, ids = record(key_id, req, gens, texts, max_new, t_start)
-        rid, created = "cmpl-" + uuid.uuid4().hex[:24], int(time.time())
-        choices = []
-        for idx, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True)):
-            lp = None
-            if req.logprobs is not None:
-                toks = token_strings(g.sample.token_ids)
-                offsets, pos = [], 0
-                for t in toks:
-                    offsets.append(pos)
-                    pos += len(t)
-                lp = CompletionLogprobs(tokens=toks, token_logprobs=g.sample.logprobs, text_offset=offsets,
-                                        top_logprobs=[{t: v} for t, v in zip(toks, g.sample.logprobs, strict=True)]
-                                        if req.logprobs > 0 else None)
-            choices.append(CompletionChoice(index=idx, text=g.sample.text, logprobs=lp,
-                                            finish_reason=g.sample.finish_reason, completion_id=cid,
-                                            feedback_token=token))
-        body = CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage(gens, prompts))
-        if not req.stream:
-            return _json(body, finish("/v1/completions", t_start, engine_s))
-        headers = finish("/v1/completions", t_start, engine_s)
-
-        async def events() -> AsyncIterator[bytes]:
-            for choice, g in zip(choices, gens, strict=True):
-                pieces = text_pieces(g.sample.token_ids, g.sample.text)
-                for j, piece in enumerate(pieces):
-                    last = j == len(pieces) - 1
-                    chunk = CompletionResponse(id=rid, created=created, model=model, choices=[CompletionChoice(
-                        index=choice.index, text=piece, finish_reason=choice.finish_reason if last else None,
-                        completion_id=choice.completion_id, feedback_token=choice.feedback_token)])
-                    yield sse(chunk)
-            if req.include_usage:
-                yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=body.usage))
-            yield sse("[DONE]")
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        choices = [CompletionChoice(index=idx, text=g.sample.text, logprobs=completion_logprobs(req, g),
+                                    finish_reason=g.sample.finish_reason, completion_id=cid, feedback_token=token)
+                   for idx, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True))]
+        body = CompletionResponse(id=CompletionChunks.new_id(), created=int(time.time()), model=model,
+                                  choices=choices, usage=usage(gens, prompts))
+        return _json(body, finish(route, t_start, engine_s))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -341,46 +561,17 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         req = _parse(ChatRequest, await _read_body(request, s.max_request_bytes))
         text = render_chat(gw.engine.tokenizer, req.messages)
         prompts = [encode(text)]
-        gens, engine_s, max_new = await generate(key_id, req, prompts, req.max_completion_tokens or req.max_tokens,
-                                                 route)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if req.stream:
+            return await stream(key_id, req, route, prompts, [text], max_tokens, t_start, ChatChunks(req))
+        gens, engine_s, max_new = await generate(key_id, req, prompts, max_tokens)
         model, ids = record(key_id, req, gens, [text], max_new, t_start)
-        rid, created = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time())
-
-        def logprobs_of(g: Generation) -> ChoiceLogprobs | None:
-            if not req.logprobs:
-                return None
-            toks = token_strings(g.sample.token_ids)
-            return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=v, bytes=list(t.encode()), top_logprobs=[])
-                                           for t, v in zip(toks, g.sample.logprobs, strict=True)])
-
-        if not req.stream:
-            choices = [ChatChoice(index=i, message=AssistantMessage(content=g.sample.text), logprobs=logprobs_of(g),
-                                  finish_reason=g.sample.finish_reason, completion_id=cid, feedback_token=token)
-                       for i, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True))]
-            body = ChatResponse(id=rid, created=created, model=model, choices=choices, usage=usage(gens, prompts))
-            return _json(body, finish(route, t_start, engine_s))
-        headers = finish(route, t_start, engine_s)
-        total_usage = usage(gens, prompts)
-
-        async def events() -> AsyncIterator[bytes]:
-            for i, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True)):
-                def chunk(delta: ChatDelta, finish_reason: str | None = None, lp=None,
-                          i=i, cid=cid, token=token) -> ChatChunk:
-                    return ChatChunk(id=rid, created=created, model=model, choices=[ChatChunkChoice(
-                        index=i, delta=delta, finish_reason=finish_reason, logprobs=lp, completion_id=cid,
-                        feedback_token=token)])
-                yield sse(chunk(ChatDelta(role="assistant", content="")))
-                lps = logprobs_of(g)
-                for j, piece in enumerate(text_pieces(g.sample.token_ids, g.sample.text)):
-                    lp = ChoiceLogprobs(content=[lps.content[j]]) if lps and lps.content else None
-                    if piece or lp:
-                        yield sse(chunk(ChatDelta(content=piece), lp=lp))
-                yield sse(chunk(ChatDelta(), g.sample.finish_reason))
-            if req.include_usage:
-                yield sse(ChatChunk(id=rid, created=created, model=model, choices=[], usage=total_usage))
-            yield sse("[DONE]")
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=g.sample.text), logprobs=chat_logprobs(req, g),
+                              finish_reason=g.sample.finish_reason, completion_id=cid, feedback_token=token)
+                   for i, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True))]
+        body = ChatResponse(id=ChatChunks.new_id(), created=int(time.time()), model=model, choices=choices,
+                            usage=usage(gens, prompts))
+        return _json(body, finish(route, t_start, engine_s))
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -45,12 +45,20 @@ class Generation:
     engine_ms: float  # the generate call that produced it
 
 
+TokenListener = Callable[[str, list[tuple[int, int]]], None]
+"""``listener(version, [(row_in_job, token_id), ...])``, called on the engine thread after each step."""
+
+StepHook = Callable[[list[int], list[int]], None]  # (batch rows that sampled, their token ids)
+FinishHook = Callable[[int, Sample], None]  # (batch row, its finished sample)
+
+
 @dataclass
 class _Job:
     rows: list[list[int]]
     params: list[SamplingParams]
     channel: str
     future: Future
+    listener: TokenListener | None = None
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -86,6 +94,7 @@ class Engine(ABC):
         self.max_queue = s.max_queue
         self._queue: deque[_Job | _Control] = deque()
         self._queued_rows = 0
+        self._last_batch_jobs = 0  # >1: requests are arriving concurrently, so the window is worth waiting
         self._cond = threading.Condition()
         self._handles: dict[str, Any] = {}
         self._closed = False
@@ -106,8 +115,10 @@ class Engine(ABC):
         """Worker thread, between batches: make ``prepared`` live; return the handle to store."""
 
     @abstractmethod
-    def _generate(self, handle: Any, rows: list[list[int]], params: list[SamplingParams]) -> list[Sample]:
-        """Worker thread: one batched generate call."""
+    def _generate(self, handle: Any, rows: list[list[int]], params: list[SamplingParams], *,
+                  on_step: StepHook | None = None, on_finish: FinishHook | None = None) -> list[Sample]:
+        """Worker thread: one batched generate call. ``on_step(rows, tokens)`` after each decoding step
+        (when given), ``on_finish(row, sample)`` as each row finishes (always given by the batcher)."""
 
     def _handle_version(self, handle: Any) -> str:
         return handle.version
@@ -124,15 +135,19 @@ class Engine(ABC):
     def queue_depth(self) -> int:
         return self._queued_rows
 
-    def submit(self, rows: list[list[int]], params: list[SamplingParams], channel: str = PRODUCTION) -> Future:
-        """Queue one request's rows; the future resolves to ``list[Generation]`` in row order."""
+    def submit(self, rows: list[list[int]], params: list[SamplingParams], channel: str = PRODUCTION,
+               listener: TokenListener | None = None) -> Future:
+        """Queue one request's rows; the future resolves to ``list[Generation]`` in row order.
+
+        ``listener`` (optional, for streaming) receives the job's tokens as they are sampled, on the
+        engine thread: it must be quick and must not block (hand the tokens to another thread)."""
         fut: Future = Future()
         with self._cond:
             if self._closed:
                 raise EngineClosed("engine is shutting down")
             if self._queued_rows + len(rows) > self.max_queue:
                 raise Overloaded(f"{self._queued_rows} sequences already waiting (max_queue {self.max_queue})")
-            self._queue.append(_Job(rows, params, channel, fut))
+            self._queue.append(_Job(rows, params, channel, fut, listener))
             self._queued_rows += len(rows)
             self._cond.notify()
         return fut
@@ -197,7 +212,10 @@ class Engine(ABC):
             if isinstance(first, _Control):
                 return first
             batch, rows = [first], len(first.rows)
-            deadline = time.perf_counter() + self.window_s
+            # Alone (nothing else waiting, and the last batch was a lone request too): start now, there is
+            # nobody to wait for. Under concurrent load batches hold several jobs and the window stays on.
+            window = self.window_s if (self._queue or self._last_batch_jobs > 1) else 0.0
+            deadline = time.perf_counter() + window
             while rows < self.max_batch:
                 if not self._queue:
                     left = deadline - time.perf_counter()
@@ -213,6 +231,7 @@ class Engine(ABC):
                 batch.append(self._queue.popleft())
                 rows += len(nxt.rows)
             self._queued_rows -= rows
+            self._last_batch_jobs = len(batch)
             return batch
 
     def _run(self) -> None:
@@ -238,25 +257,53 @@ class Engine(ABC):
                 continue
             groups.setdefault(id(handle), (handle, []))[1].append(job)
         for handle, jobs in groups.values():
-            rows = [r for j in jobs for r in j.rows]
-            params = [p for j in jobs for p in j.params]
-            t0 = time.perf_counter()
-            try:
-                samples = self._generate(handle, rows, params)
-            except BaseException as err:  # noqa: BLE001 - each request gets the error, the worker lives on
-                log.exception("generate failed for a batch of %d rows", len(rows))
-                for j in jobs:
-                    _settle(j.future, error=err)
-                continue
-            t1 = time.perf_counter()
-            self.batches_run += 1
-            engine_ms = (t1 - t0) * 1000
-            if self.metrics is not None:
-                self.metrics.batch_rows.observe(len(rows))
-            version = self._handle_version(handle)
-            i = 0
+            self._run_group(handle, jobs)
+
+    def _run_group(self, handle: Any, jobs: list[_Job]) -> None:
+        rows = [r for j in jobs for r in j.rows]
+        params = [p for j in jobs for p in j.params]
+        version = self._handle_version(handle)
+        owner: list[tuple[int, int]] = [(ji, k) for ji, j in enumerate(jobs) for k in range(len(j.rows))]
+        results: list[list[Sample | None]] = [[None] * len(j.rows) for j in jobs]
+        left = [len(j.rows) for j in jobs]
+        t0 = time.perf_counter()
+
+        def on_finish(row: int, sample: Sample) -> None:
+            ji, k = owner[row]
+            results[ji][k] = sample
+            left[ji] -= 1
+            if left[ji] == 0:  # this request is complete: answer it now, the batch may go on
+                j = jobs[ji]
+                engine_ms = (time.perf_counter() - t0) * 1000
+                _settle(j.future, [Generation(s, version, (t0 - j.enqueued) * 1000, engine_ms)
+                                   for s in results[ji]])
+
+        on_step = None
+        if any(j.listener is not None for j in jobs):
+            def on_step(batch_rows: list[int], tokens: list[int]) -> None:
+                per_job: dict[int, list[tuple[int, int]]] = {}
+                for row, tok in zip(batch_rows, tokens, strict=True):
+                    ji, k = owner[row]
+                    if jobs[ji].listener is not None:
+                        per_job.setdefault(ji, []).append((k, tok))
+                for ji, step in per_job.items():
+                    try:
+                        jobs[ji].listener(version, step)
+                    except Exception:  # noqa: BLE001 - a broken listener must not fail the batch
+                        log.exception("token listener failed; detaching it")
+                        jobs[ji].listener = None
+
+        self.batches_run += 1  # counted at the start: its first requests may be answered before it ends
+        if self.metrics is not None:
+            self.metrics.batch_rows.observe(len(rows))
+        try:
+            self._generate(handle, rows, params, on_step=on_step, on_finish=on_finish)
+        except BaseException as err:  # noqa: BLE001 - each request gets the error, the worker lives on
+            log.exception("generate failed for a batch of %d rows", len(rows))
             for j in jobs:
-                out = [Generation(samples[i + k], version, (t0 - j.enqueued) * 1000, engine_ms)
-                       for k in range(len(j.rows))]
-                i += len(j.rows)
-                _settle(j.future, out)
+                _settle(j.future, error=err)
+            return
+        for ji, j in enumerate(jobs):
+            if left[ji]:  # an engine that did not report every row: a bug, never a silent hang
+                _settle(j.future, error=RuntimeError(f"engine returned {len(j.rows) - left[ji]} of "
+                                                     f"{len(j.rows)} rows"))

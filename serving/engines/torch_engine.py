@@ -1,7 +1,8 @@
 """The torch engine: transformers model + the shared batched sampler (:func:`policy.sampling.generate_ids`).
 
 Micro-batching (see :mod:`serving.engines.base`): concurrent requests are merged into one
-``generate_ids`` call with per-row sampling parameters, finished rows leave the batch early. Each
+``generate_ids`` call with per-row sampling parameters, finished rows leave the batch early (and their
+request is answered then); streaming requests get their tokens from ``generate_ids``' per-step hook. Each
 version is its own model instance, loaded off the serving path, so a swap is a pointer switch
 between batches and old weights stay alive exactly as long as a batch uses them. Cost: two copies
 of the weights in memory during a swap (and one per extra channel, e.g. a candidate).
@@ -49,8 +50,10 @@ class TorchEngine(Engine):
     def _install(self, channel: str, prepared: Any, ref: VersionRef) -> TorchHandle:
         return TorchHandle(ref.version, prepared)
 
-    def _generate(self, handle: TorchHandle, rows: list[list[int]], params: list[SamplingParams]) -> list[Sample]:
+    def _generate(self, handle: TorchHandle, rows: list[list[int]], params: list[SamplingParams], *,
+                  on_step=None, on_finish=None) -> list[Sample]:
         tok = self.tokenizer
         return generate_ids(handle.model, rows, params, eos_token_id=tok.eos_token_id,
                             pad_token_id=tok.pad_token_id,
-                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                            on_step=on_step, on_finish=on_finish)
