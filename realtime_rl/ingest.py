@@ -199,6 +199,10 @@ class Ingester:
         """
         now = utcnow()
         with self.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # Short set-based statements: compiling them with JIT (PostgreSQL's default above a
+                # plan cost that tables without statistics easily reach) cost more than running them.
+                conn.exec_driver_sql("SET LOCAL jit = off")
             self._advance(conn, batch.before, batch.after, now)
             result = self._write(conn, batch.decoded, now)
         self.positions = batch.after

@@ -14,10 +14,10 @@ failed flush causes no duplicates), then set-based statements keep the derived t
    the ones that just joined (feedback that arrived first is joined when its completion arrives);
 5. model-version actions (history) and the per-version summary derived from them.
 
-On PostgreSQL, large batches of completions and feedback are staged as JSON documents with COPY
-into temporary tables; the server extracts the columns and moves them with one ``INSERT ... SELECT
-... ON CONFLICT`` each; id lists travel as one array parameter (``= ANY(...)``). So no statement
-grows with the batch, and the per-event work left in Python is validation.
+On PostgreSQL, large batches of completions and feedback travel as typed rows in COPY's binary
+format into temporary tables shaped like the targets, and move with one ``INSERT ... SELECT ... ON
+CONFLICT`` each; id lists travel as one array parameter (``= ANY(...)``, ``unnest(...)``). So no
+statement grows with the batch, and the server parses nothing but the JSON arrays.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
     new_completion_ids: list[str] = []
     if completions:
         if staged:
-            new_completion_ids = _copy_json_insert(conn, "completions", _COMPLETIONS_FROM_JSON,
-                                                   [(_json_doc(i),) for i in completions.values()], now)
+            new_completion_ids = _pg_stage_insert(conn, "completions",
+                                                  [_completion_pg_row(i.event, now) for i in completions.values()])
         elif use_copy and conn.dialect.name == "sqlite":
             new_completion_ids = _sqlite_stage_insert(
                 conn, "completions", _COMPLETION_COLUMNS, [_completion_tuple(i.event, now) for i in completions.values()])
@@ -158,8 +158,8 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
     if feedback:
         newest = _newest_in_batch([i.event for i in feedback.values()])
         if staged:
-            docs = [(_json_doc(i), i.event.event_id in newest) for i in feedback.values()]
-            inserted = _copy_json_insert(conn, "feedback", _FEEDBACK_FROM_JSON, docs, now)
+            inserted = _pg_stage_insert(conn, "feedback", [_feedback_pg_row(i.event, now, i.event.event_id in newest)
+                                                           for i in feedback.values()])
         elif use_copy and conn.dialect.name == "sqlite":
             inserted = _sqlite_stage_insert(conn, "feedback", _FEEDBACK_COLUMNS,
                                             [_feedback_tuple(i.event, now, i.event.event_id in newest)
@@ -198,61 +198,51 @@ def _can_copy(conn: sa.Connection) -> bool:
     return conn.dialect.name == "postgresql" and conn.dialect.driver == "psycopg"
 
 
-def _json_doc(item: Decoded) -> str:
-    """The event as JSON for staging: the bytes as received when canonical, else re-serialised."""
-    if item.canonical:
-        return item.record.value.decode()
-    return item.event.model_dump_json()
+# PostgreSQL: typed rows in COPY's binary format into a temp table shaped like the target, then one
+# INSERT ... SELECT ... ON CONFLICT. The server parses nothing but the JSON arrays (once, as the json
+# columns require): measured against staging whole JSON documents and extracting the columns with
+# ``json_populate_record`` (the document parsed three times over), server CPU per completion fell from
+# ~24 to ~11 us. JSON values travel as the compact text ``json_text`` gives, through the C text dumper
+# (the binary form of ``json`` is its text), timestamps as timezone-aware datetimes.
+_PG_TYPES = {"text": "text", "json": "text", "float": "float8", "int": "int4", "ts": "timestamptz", "bool": "bool"}
+_COMPLETION_TYPES = ("text",) * 7 + ("json",) * 6 + ("text", "float", "text", "int", "ts", "ts")
+_FEEDBACK_TYPES = ("text",) * 6 + ("float", "text", "ts", "ts", "bool")
 
 
-# PostgreSQL reads the fields out of the staged JSON itself (server side, in C, on its own core):
-# ``json_populate_record`` parses each document once and maps keys to the typed columns of a row
-# type named like the event's fields. Canonical events (``Decoded.canonical``: strictly typed, every
-# field present) carry exactly the values the Python path would store; others are re-serialised by
-# pydantic first. JSON ``null`` becomes SQL NULL.
-_EVENT_TYPES = {
-    "completions": "rtrl_completion_event (completion_id text, event_id text, caller text, model text, "
-                   "version text, prompt text, completion text, prompt_token_ids json, completion_token_ids json, "
-                   "logprobs json, sampling_logprobs json, expert_ids json, sampling json, finish_reason text, "
-                   "latency_ms float8, task_bucket text, choice_index int, ts timestamptz)",
-    "feedback": "rtrl_feedback_event (event_id text, completion_id text, caller text, version text, signal text, "
-                "kept_text text, score float8, comment text, ts timestamptz)",
-}
-_STAGES = {"completions": "j json", "feedback": "j json, is_latest boolean"}
-_COMPLETIONS_FROM_JSON = """
-INSERT INTO completions (completion_id, event_id, caller, model, version, prompt, completion, prompt_token_ids,
-                         completion_token_ids, logprobs, sampling_logprobs, expert_ids, sampling, finish_reason,
-                         latency_ms, task_bucket, choice_index, created_at, ingested_at)
-SELECT e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion, e.prompt_token_ids,
-       e.completion_token_ids, e.logprobs, e.sampling_logprobs, e.expert_ids, e.sampling, e.finish_reason,
-       e.latency_ms, e.task_bucket, e.choice_index, e.ts, %(now)s
-FROM {stage} s, json_populate_record(NULL::rtrl_completion_event, s.j) e
-ON CONFLICT DO NOTHING RETURNING completion_id"""
-_FEEDBACK_FROM_JSON = """
-INSERT INTO feedback (event_id, completion_id, caller, version, signal, kept_text, score, comment, created_at,
-                      ingested_at, is_latest)
-SELECT e.event_id, e.completion_id, e.caller, e.version, e.signal, e.kept_text, e.score, e.comment, e.ts,
-       %(now)s, s.is_latest
-FROM {stage} s, json_populate_record(NULL::rtrl_feedback_event, s.j) e
-ON CONFLICT DO NOTHING RETURNING completion_id"""
+def _aware(ts: datetime) -> datetime:
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
 
 
-def _copy_json_insert(conn: sa.Connection, kind: str, insert_sql: str, docs: list[tuple], now: datetime) -> list[str]:
-    """COPY the JSON documents into a temp table emptied at every commit, then one INSERT ... SELECT.
+def _completion_pg_row(e: CompletionEvent, now: datetime) -> tuple:
+    return (e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion,
+            json_text(e.prompt_token_ids), json_text(e.completion_token_ids), json_text(e.logprobs),
+            None if e.sampling_logprobs is None else json_text(e.sampling_logprobs),
+            None if e.expert_ids is None else json_text(e.expert_ids), json_text(e.sampling),
+            e.finish_reason, e.latency_ms, e.task_bucket, e.choice_index, _aware(e.ts), now)
 
-    One text field per event on the wire and no statement that grows with the batch; the session
-    time zone is UTC (see ``database.make_engine``), so an offset-less timestamp means UTC here too.
-    """
-    stage = f"rtrl_stage_{kind}_json"
-    # Session-scoped temp tables (the row type never holds rows). Created in every transaction, not
-    # cached: a rolled-back transaction takes its CREATE with it.
-    conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS {_EVENT_TYPES[kind]}")
-    conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ({_STAGES[kind]}) ON COMMIT DELETE ROWS")
+
+def _feedback_pg_row(e: FeedbackEvent, now: datetime, is_latest: bool) -> tuple:
+    return (e.event_id, e.completion_id, e.caller, e.version, e.signal, e.kept_text,
+            None if e.score is None else float(e.score), e.comment, _aware(e.ts), now, is_latest)
+
+
+def _pg_stage_insert(conn: sa.Connection, table: str, rows: list[tuple]) -> list[str]:
+    """Binary COPY of ``rows`` into a temp table emptied at every commit, then one INSERT ... SELECT."""
+    columns, types = _PG_STAGED[table]
+    stage = f"rtrl_stage_{table}"
+    cols = ", ".join(f'"{c}"' for c in columns)
+    # Session-scoped, created in every transaction rather than cached: a rolled-back transaction takes
+    # its CREATE with it.
+    conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
+                         f"SELECT {cols} FROM {table} WHERE false")
     cursor = conn.connection.driver_connection.cursor()
-    with cursor.copy(f"COPY {stage} FROM STDIN") as copy:
-        for doc in docs:
-            copy.write_row(doc)
-    return [r[0] for r in conn.exec_driver_sql(insert_sql.format(stage=stage), {"now": now})]
+    with cursor.copy(f"COPY {stage} ({cols}) FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types([_PG_TYPES[t] for t in types])
+        for row in rows:
+            copy.write_row(row)
+    result = conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {stage} "
+                                  f"ON CONFLICT DO NOTHING RETURNING {_RETURNING[table]}")
+    return [r[0] for r in result]
 
 
 # SQLite: rows are bound by the driver's C ``executemany`` into a temp table, then moved with one
@@ -266,6 +256,7 @@ _COMPLETION_COLUMNS = ("completion_id", "event_id", "caller", "model", "version"
 _FEEDBACK_COLUMNS = ("event_id", "completion_id", "caller", "version", "signal", "kept_text", "score", "comment",
                      "created_at", "ingested_at", "is_latest")
 _RETURNING = {"completions": "completion_id", "feedback": "completion_id"}
+_PG_STAGED = {"completions": (_COMPLETION_COLUMNS, _COMPLETION_TYPES), "feedback": (_FEEDBACK_COLUMNS, _FEEDBACK_TYPES)}
 
 
 def sqlite_timestamp(ts: datetime) -> str:
@@ -358,12 +349,12 @@ _EXAMPLE_UPDATED = ("signal", "kept_text", "score", "feedback_event_id", "feedba
 
 
 def _upsert_training_examples(conn: sa.Connection, completion_ids: list[str], now: datetime) -> set[str]:
+    if conn.dialect.name == "postgresql":
+        return {r[0] for r in conn.exec_driver_sql(_PG_EXAMPLES, {"ids": completion_ids, "now": now})}
     c, f, te = t.completions, t.feedback, t.training_examples
     history = f.alias("history")
     count = (sa.select(sa.func.count()).select_from(history)
              .where(history.c.completion_id == c.c.completion_id).scalar_subquery())
-    target = [*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback_event_id", "feedback_count",
-              "feedback_at", "completion_at", "updated_at"]
     joined: set[str] = set()
     for chunk in _chunks(conn, completion_ids):
         select = (
@@ -373,11 +364,30 @@ def _upsert_training_examples(conn: sa.Connection, completion_ids: list[str], no
             .select_from(c.join(f, sa.and_(f.c.completion_id == c.c.completion_id, f.c.is_latest)))
             .where(_in(conn, c.c.completion_id, chunk))
         )
-        stmt = dialect_insert(conn, te).from_select(target, select)
+        stmt = dialect_insert(conn, te).from_select(_EXAMPLE_TARGET, select)
         stmt = stmt.on_conflict_do_update(index_elements=[te.c.completion_id],
                                           set_={n: stmt.excluded[n] for n in _EXAMPLE_UPDATED})
         joined.update(conn.execute(stmt.returning(te.c.completion_id)).scalars().all())
     return joined
+
+
+_EXAMPLE_TARGET = (*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback_event_id", "feedback_count",
+                   "feedback_at", "completion_at", "updated_at")
+# The same join for PostgreSQL, driven from the id list: one primary-key probe of completions and one
+# index range of feedback per id (LIMIT keeps the planner from flattening the LATERALs). The planned
+# hash join instead scanned both tables whole for every batch while their statistics were missing
+# (fresh tables until autovacuum analyses them), which grows with the table; this does not.
+_PG_EXAMPLES = f"""
+INSERT INTO training_examples ({", ".join(_EXAMPLE_TARGET)})
+SELECT {", ".join(f"c.{n}" for n in _EXAMPLE_FROM_COMPLETION)}, {", ".join(f"f.{n}" for n in _EXAMPLE_FROM_FEEDBACK)},
+       f.event_id, f.n, f.created_at, c.created_at, %(now)s
+FROM unnest(%(ids)s::text[]) AS k(id)
+CROSS JOIN LATERAL (SELECT * FROM completions WHERE completion_id = k.id LIMIT 1) c
+CROSS JOIN LATERAL (SELECT {", ".join(_EXAMPLE_FROM_FEEDBACK)}, event_id, created_at, is_latest, count(*) OVER () AS n
+                    FROM feedback WHERE completion_id = k.id ORDER BY is_latest DESC LIMIT 1) f
+WHERE f.is_latest
+ON CONFLICT (completion_id) DO UPDATE SET {", ".join(f"{n} = excluded.{n}" for n in _EXAMPLE_UPDATED)}
+RETURNING completion_id"""
 
 
 def _write_versions(conn: sa.Connection, events: list[ModelVersionEvent], now: datetime) -> int:

@@ -14,10 +14,22 @@ from sqlalchemy import exc as sa_exc
 
 from realtime_rl.events import ModelVersionEvent
 from realtime_rl.ingest import Ingester
-from tests import ingest_fixtures
 from tests.ingest_fixtures import T0, completion, counts, feedback, make_settings, rows, send
 
-db_url = ingest_fixtures.db_url  # the fixture: every test runs on SQLite and on PostgreSQL
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres),
+                        pytest.param("postgresql-staged", marks=pytest.mark.postgres)])
+def db_url(request, tmp_path: Path, monkeypatch) -> str:
+    """Every test on SQLite, on PostgreSQL, and on PostgreSQL with the staged (COPY) path taken for
+    any batch size (normally only batches of ``_COPY_MIN_ROWS`` events or more take it)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'feedback.db'}"
+    if request.param == "postgresql-staged":
+        from realtime_rl import ingest_writer
+
+        monkeypatch.setattr(ingest_writer, "_COPY_MIN_ROWS", 1)
+    return request.getfixturevalue("postgres_url")
+
 
 ALL = ("completions", "feedback", "training_examples", "pending_feedback", "dead_letters")
 

@@ -1,5 +1,5 @@
-"""The staged write paths (PostgreSQL: events COPYed as JSON, columns extracted by the server;
-SQLite: executemany into a temp table) store exactly what the plain SQLAlchemy path stores, and
+"""The staged write paths (PostgreSQL: typed rows by binary COPY into a temp table; SQLite:
+executemany into a temp table) store exactly what the plain SQLAlchemy path stores, and
 both databases store the same: for canonical gateway events and for lax-but-valid ones (coerced
 types, missing defaults, offsets, naive timestamps, unknown fields)."""
 
