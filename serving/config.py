@@ -29,7 +29,8 @@ class ServingSettings(Section):
     follow_version_events: bool = Field(False, description="Also watch `model_version` events on the bus "
                                         "(bus.versions_topic) and poll at once when one arrives.")
     canary_share: float = Field(0.0, ge=0, le=1, description="Share of callers (stable hash of the key id) "
-                                "routed to the `candidate` channel when one is set (torch engine only).")
+                                "routed to the `candidate` channel when one is set. The vLLM engine runs a second "
+                                "vllm.LLM for it (its own KV cache of vllm_kv_cache_bytes).")
     candidate_dir: str | None = Field(None, description="With source=dir: an HF directory served as the "
                                       "candidate version to the canary share of callers.")
 
@@ -51,9 +52,12 @@ class ServingSettings(Section):
     vllm_kv_cache_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024,
                                      description="vLLM KV cache size in bytes (kv_cache_memory_bytes).")
     vllm_max_num_seqs: int = Field(64, ge=1, description="vLLM: most sequences scheduled at once.")
-    vllm_logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
-        "raw_logprobs", description="What vLLM returns per sampled token. raw = temperature-1 softmax of the "
-        "model's logits (what the trainer recomputes); processed = after temperature/top-k/top-p.")
+    vllm_logprobs_mode: Literal["both", "raw_logprobs"] = Field(
+        "both", description="vLLM per-token log-probs. both = the sampled-from distribution's log-prob "
+        "(sampling_logprobs) from vLLM's processed mode plus the raw temperature-1 log-prob (logprobs, what "
+        "the trainer recomputes), from a scoring pass of prompt + completion for rows whose sampling "
+        "distribution is not the raw one (temperature != 1 or top-k/top-p); raw_logprobs = raw only, no "
+        "extra pass, no sampling_logprobs.")
     vllm_gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM on GPU: share of memory "
                                                "for weights + KV cache (ignored on CPU).")
 

@@ -81,7 +81,7 @@ class DirSource:
         self._dirs = {"production": Path(production_dir)}
         if candidate_dir:
             self._dirs["candidate"] = Path(candidate_dir)
-        self._cache: dict[tuple, str] = {}
+        self._cache: dict[str, tuple[tuple, str]] = {}
 
     def current(self, channel: str) -> VersionRef | None:
         path = self._dirs.get(channel)
@@ -90,9 +90,10 @@ class DirSource:
         resolved = path.resolve()
         stamp = (str(resolved), tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size)
                                       for f in sorted(resolved.iterdir()) if f.is_file()))
-        if stamp not in self._cache:
-            self._cache = {stamp: dir_version(resolved)}
-        return VersionRef(self._cache[stamp], resolved, channel)
+        cached = self._cache.get(channel)
+        if cached is None or cached[0] != stamp:  # one entry per channel: polls never re-hash unchanged weights
+            cached = self._cache[channel] = (stamp, dir_version(resolved))
+        return VersionRef(cached[1], resolved, channel)
 
 
 class RegistrySource:

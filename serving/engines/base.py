@@ -107,7 +107,7 @@ class Engine(ABC):
 
     # -- hooks -------------------------------------------------------------------------------------
     @abstractmethod
-    def _prepare(self, ref: VersionRef) -> Any:
+    def _prepare(self, ref: VersionRef, channel: str) -> Any:
         """Caller's thread, off the serving path: read weights for ``ref`` into something installable."""
 
     @abstractmethod
@@ -155,7 +155,7 @@ class Engine(ABC):
     def load(self, ref: VersionRef, channel: str = PRODUCTION) -> float:
         """Install ``ref`` on ``channel``; block until live; return the serving pause in seconds."""
         first = channel not in self._handles
-        prepared = self._prepare(ref)
+        prepared = self._prepare(ref, channel)
         fut: Future = Future()
 
         def action() -> float:

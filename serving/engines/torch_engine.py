@@ -33,7 +33,7 @@ class TorchEngine(Engine):
         torch.set_num_threads(settings.model.threads)
         super().__init__(settings, metrics)
 
-    def _prepare(self, ref: VersionRef) -> Any:
+    def _prepare(self, ref: VersionRef, channel: str) -> Any:
         from policy.loading import load_model, load_tokenizer
 
         m = self.settings.model

@@ -1,23 +1,47 @@
-"""The vLLM engine: one in-process ``vllm.LLM`` with in-place weight updates.
+"""The vLLM engine: one in-process ``vllm.LLM`` per channel, in-place weight updates, streamed steps.
 
-vLLM does its own continuous batching inside ``LLM.generate``; the shared micro-batcher feeds it the
-requests that arrived together. A swap loads the new version's tensors off the serving path, then,
-between batches, calls ``collective_rpc("reload_weights", weights_iterator=...)``, re-ties a tied LM
-head (:func:`retie_lm_head`; vLLM's reload misses it) and the mandatory ``reset_prefix_cache()`` (without it, prompts sharing a cached prefix reuse KV computed with the old
-weights). One weight set is live at a time, so there is no candidate channel on this engine.
+Batching. The shared micro-batcher (:mod:`serving.engines.base`) hands over the requests that arrived
+together; this engine adds them to the channel's ``LLMEngine`` and drives ``step()`` itself (what
+``LLM.generate`` does internally), so that it can pass each step's new tokens to streaming requests
+(``RequestOutputKind.DELTA``) and answer each request as soon as its rows finish. Non-streaming
+batches ask for final outputs only (no per-step output objects).
 
-Log-probs: ``SamplingParams(logprobs=0)`` returns the sampled token's log-prob; with the default
-``logprobs_mode="raw_logprobs"`` that is the temperature-1 softmax of the model's logits, the same
-quantity as :func:`policy.logprobs.sequence_logprobs` (checked by tests/test_engines_vllm.py).
-``sampling_logprobs`` (the processed distribution) is not returned by this engine (None in events).
+Channels. ``production`` and, when a candidate is set, ``candidate`` each have their own ``LLM``
+(weights + its own KV cache of ``serving.vllm_kv_cache_bytes``), so a canary share of callers can be
+served a second version. The candidate's ``LLM`` is created on the first candidate load, in the
+engine thread (vLLM's forward context is process-global: building an engine in another thread while
+one generates breaks the running one), which pauses serving once for the engine start-up (about
+0.4 s on CPU with the tiny model; the first ``LLM`` of a process takes seconds). It is then kept,
+idle when the channel is dropped, so later candidates are in-place reloads.
+
+Swaps load the new version's tensors off the serving path, then, between batches, call
+``collective_rpc("reload_weights", weights_iterator=...)``, re-tie a tied LM head
+(:func:`retie_lm_head`; vLLM's reload misses it) and the mandatory ``reset_prefix_cache()`` (without
+it, prompts sharing a cached prefix reuse KV computed with the old weights).
+
+Log-probs (``serving.vllm_logprobs_mode``):
+
+* ``"both"`` (default): vLLM runs with ``logprobs_mode="processed_logprobs"``, so each sampled
+  token's returned log-prob is under the distribution it was drawn from (temperature, top-k, top-p
+  applied): ``sampling_logprobs``. Where that distribution is the raw one (temperature 1, no
+  truncation) it is also ``logprobs``; greedy rows get the raw log-prob and ``sampling_logprobs`` 0
+  (as the torch engine). Otherwise a finished row is scored once more, in the same step loop: its
+  prompt + completion as a prompt with ``prompt_logprobs=0``, whose values are raw log-softmax
+  whatever the mode (vLLM computes prompt log-probs before any sampling processor). That costs one
+  prefill of prompt + completion per such row and reserves one token of context (``context_len``
+  is ``max_model_len - 1``). Note vLLM applies top-p to the top-k-truncated distribution; the
+  torch sampler's top-p counts mass over the full distribution, so with top-k *and* top-p set the
+  two engines sample from (and record) slightly different distributions.
+* ``"raw_logprobs"``: vLLM's raw mode, no scoring pass; events carry no ``sampling_logprobs``.
 
 Process notes (see PLATFORM.md): vLLM is run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 which replaces ``torch.set_num_threads`` and seeds globally; run this engine in its own process
-(`rtrl serve`), never beside training.
+(`rtrl serve`), never beside training. Every vLLM call happens on the engine thread.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +74,7 @@ def retie_lm_head(worker) -> bool:
 @dataclass
 class VLLMHandle:
     version: str
+    llm: Any  # the channel's vllm.LLM
 
 
 def read_state_dict(model_dir) -> dict:
@@ -65,31 +90,52 @@ def read_state_dict(model_dir) -> dict:
     return tensors
 
 
+def needs_raw_pass(p: SamplingParams) -> bool:
+    """Whether the sampling distribution differs from the raw (temperature-1, untruncated) one."""
+    return p.temperature > 0 and (p.temperature != 1.0 or p.top_p < 1.0 or p.top_k > 0)
+
+
 class VLLMEngine(Engine):
     name = "vllm"
-    supports_candidate = False
+    supports_candidate = True
 
     def __init__(self, settings, metrics=None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        self.llm = None
+        self._llms: dict[str, Any] = {}  # channel -> vllm.LLM (kept when a channel is dropped)
+        self._vocab: int | None = None
+        self._ids = itertools.count()
+        self.both = settings.serving.vllm_logprobs_mode == "both"
+        self.raw_passes = 0  # rows scored a second time for their raw log-probs
         super().__init__(settings, metrics)
 
-    def _prepare(self, ref: VersionRef) -> Any:
-        if self.llm is None:
-            return None  # the first version is loaded by the LLM constructor, in the worker thread
+    @property
+    def llm(self):
+        """The production channel's ``vllm.LLM`` (None before the first load)."""
+        return self._llms.get("production")
+
+    def _prepare(self, ref: VersionRef, channel: str) -> Any:
+        import json
+
+        vocab = json.loads((ref.model_dir / "config.json").read_text()).get("vocab_size")
+        if self._vocab is not None and vocab != self._vocab:
+            raise ValueError(f"version {ref.version} has vocabulary {vocab}, the served tokenizer "
+                             f"{self._vocab}: a tokenizer change needs a restart")
+        if channel not in self._llms:
+            return None  # this channel's LLM is built from the directory, in the worker thread
         return read_state_dict(ref.model_dir)
 
     def _install(self, channel: str, prepared: Any, ref: VersionRef) -> VLLMHandle:
-        if self.llm is None:
-            self._start_llm(ref)
+        llm = self._llms.get(channel)
+        if llm is None:
+            llm = self._llms[channel] = self._start_llm(ref)
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(prepared.items())})
-            self.llm.collective_rpc(retie_lm_head)
-            self.llm.reset_prefix_cache()
-        return VLLMHandle(ref.version)
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(prepared.items())})
+            llm.collective_rpc(retie_lm_head)
+            llm.reset_prefix_cache()
+        return VLLMHandle(ref.version, llm)
 
-    def _start_llm(self, ref: VersionRef) -> None:
+    def _start_llm(self, ref: VersionRef):
         import json
 
         from vllm import LLM
@@ -98,38 +144,109 @@ class VLLMEngine(Engine):
 
         s, m = self.settings.serving, self.settings.model
         cfg = json.loads((ref.model_dir / "config.json").read_text())
-        self.context_len = cfg.get("max_position_embeddings")
+        ctx = cfg.get("max_position_embeddings")
         kwargs: dict[str, Any] = dict(
             model=str(ref.model_dir), tokenizer=str(ref.model_dir), dtype=m.dtype, enforce_eager=True,
             kv_cache_memory_bytes=s.vllm_kv_cache_bytes, max_num_seqs=s.vllm_max_num_seqs,
-            logprobs_mode=s.vllm_logprobs_mode, seed=0,
+            logprobs_mode="processed_logprobs" if self.both else "raw_logprobs", seed=0,
         )
-        if self.context_len:
-            kwargs["max_model_len"] = self.context_len
+        if ctx:
+            kwargs["max_model_len"] = ctx
         if m.device.startswith("cuda"):
             kwargs["gpu_memory_utilization"] = s.vllm_gpu_memory_utilization
-        self.llm = LLM(**kwargs)
-        self.tokenizer = load_tokenizer(ref.model_dir)
+        llm = LLM(**kwargs)
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(ref.model_dir)
+            self._vocab = cfg.get("vocab_size")
+            # "both" scores prompt + completion as one prompt, which vLLM wants shorter than max_model_len.
+            self.context_len = (ctx - 1 if self.both else ctx) if ctx else None
+        return llm
 
-    def _generate(self, handle: VLLMHandle, rows: list[list[int]], params: list[SamplingParams]) -> list[Sample]:
+    @staticmethod
+    def _inputs(llm, prompts: list[list[int]]) -> list:
+        from vllm.inputs import TokensPrompt
+
+        raw = [TokensPrompt(prompt_token_ids=list(r)) for r in prompts]
+        render = getattr(llm, "_preprocess_cmpl", None)  # what LLM.generate does; raw prompts are deprecated
+        return list(render(raw)) if render is not None else raw
+
+    def _generate(self, handle: VLLMHandle, rows: list[list[int]], params: list[SamplingParams], *,
+                  on_step=None, on_finish=None) -> list[Sample]:
         from vllm import SamplingParams as VParams
-        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        vparams = [VParams(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                           max_tokens=p.max_new_tokens, stop=list(p.stop) or None, seed=p.seed, logprobs=0,
-                           skip_special_tokens=True)
-                   for p in params]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], vparams, use_tqdm=False)
-        samples = []
-        for row, out in zip(rows, outs, strict=True):
-            o = out.outputs[0]
-            ids = list(o.token_ids)
-            lps = [float(o.logprobs[i][t].logprob) for i, t in enumerate(ids)]
-            finish = FINISH_LENGTH if o.finish_reason == "length" else FINISH_STOP
-            samples.append(Sample(prompt_token_ids=list(row), token_ids=ids, text=o.text, finish_reason=finish,
-                                  logprobs=lps, sampling_logprobs=None))
+        llm = handle.llm
+        eng = llm.llm_engine
+        kind = RequestOutputKind.DELTA if on_step is not None else RequestOutputKind.FINAL_ONLY
+        tag = f"rtrl{next(self._ids)}"
+        B = len(rows)
+        ids: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        texts: list[list[str]] = [[] for _ in range(B)]
+        finish: list[str | None] = [None] * B
+        samples: list[Sample | None] = [None] * B
+        internal: list[str] = []
+
+        def complete(i: int, raw: list[float] | None) -> None:
+            p = params[i]
+            if not self.both:
+                logprobs, sampling = lps[i], None
+            elif p.temperature == 0:
+                logprobs, sampling = lps[i], [0.0] * len(lps[i])
+            else:
+                logprobs, sampling = (raw if raw is not None else lps[i]), lps[i]
+            samples[i] = Sample(prompt_token_ids=list(rows[i]), token_ids=ids[i], text="".join(texts[i]),
+                                finish_reason=finish[i], logprobs=logprobs, sampling_logprobs=sampling)
+            if on_finish is not None:
+                on_finish(i, samples[i])
+
+        vparams = [VParams(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens,
+                           stop=list(p.stop) or None, seed=p.seed, logprobs=0, skip_special_tokens=True,
+                           output_kind=kind) for p in params]
+        try:
+            for i, inp in enumerate(self._inputs(llm, rows)):
+                internal.append(eng.add_request(f"{tag}-g{i}", inp, vparams[i]))
+            while eng.has_unfinished_requests():
+                step_rows, step_tokens, done, scores = [], [], [], []
+                for out in eng.step():
+                    owner, _, name = out.request_id.rpartition("-")
+                    if owner != tag:  # not one of this batch's requests (cannot happen: one thread drives it)
+                        continue
+                    i = int(name[1:])
+                    if name[0] == "s":  # the raw-log-prob scoring pass of row i
+                        P, pl = len(rows[i]), out.prompt_logprobs
+                        done.append((i, [float(pl[P + j][t].logprob) for j, t in enumerate(ids[i])]))
+                        continue
+                    o = out.outputs[0]
+                    new = list(o.token_ids)
+                    ids[i] += new
+                    lps[i] += [float(o.logprobs[j][t].logprob) for j, t in enumerate(new)]
+                    texts[i].append(o.text)
+                    if on_step is not None and new:
+                        step_rows += [i] * len(new)
+                        step_tokens += new
+                    if out.finished:
+                        finish[i] = FINISH_LENGTH if o.finish_reason == "length" else FINISH_STOP
+                        if self.both and needs_raw_pass(params[i]):
+                            scores.append(i)
+                        else:
+                            done.append((i, None))
+                if step_rows:
+                    on_step(step_rows, step_tokens)
+                if scores:
+                    self.raw_passes += len(scores)
+                    inputs = self._inputs(llm, [rows[i] + ids[i] for i in scores])
+                    for i, inp in zip(scores, inputs, strict=True):
+                        internal.append(eng.add_request(f"{tag}-s{i}", inp, VParams(
+                            max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)))
+                for i, raw in done:
+                    complete(i, raw)
+        except BaseException:
+            if eng.has_unfinished_requests():
+                eng.abort_request(internal, internal=True)  # leave nothing behind for the next batch
+            raise
         return samples
 
     def _shutdown(self) -> None:
         super()._shutdown()
-        self.llm = None
+        self._llms.clear()
