@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +36,8 @@ from realtime_rl import tables as t
 from realtime_rl.bus import BusConsumer, BusUnavailable, Record, open_consumer
 from realtime_rl.database import make_engine, redacted_url
 from realtime_rl.ingest_decode import DB_REJECTED, Decoded, decode_record
-from realtime_rl.ingest_writer import WriteResult, dead_letter_row, dialect_insert, write_batch
+from realtime_rl.ingest_plan import BatchPlan, plan_batch
+from realtime_rl.ingest_writer import WriteResult, dead_letter_row, dialect_insert, write_plan
 from realtime_rl.schema import ensure_schema
 
 log = logging.getLogger("realtime_rl.ingest")
@@ -50,6 +52,11 @@ class OffsetsMoved(RuntimeError):
 
 
 _RECOVERABLE = (OffsetsMoved, BusUnavailable, *_TRANSIENT_DB_ERRORS)
+
+GIL_SWITCH_INTERVAL_S = 0.0005
+"""While ingesting. The commit thread mostly waits on database round trips; when an answer arrives
+it needs the GIL back from the main thread, which is decoding the next batch and, at Python's default
+of 5 ms, would keep it up to that long per round trip (a batch makes about a dozen)."""
 
 
 @dataclass
@@ -74,6 +81,7 @@ class _Batch:
     before: dict[tuple[str, int], int]
     after: dict[tuple[str, int], int]
     decoded: list[Decoded]
+    plan: BatchPlan
 
 
 def utcnow() -> datetime:
@@ -186,25 +194,26 @@ class Ingester:
         return records
 
     def _prepare(self, records: list[Record], before: dict[tuple[str, int], int]) -> _Batch:
+        """Decode and plan a batch: everything that needs no database (runs beside the previous commit)."""
         after = dict(before)
         for r in records:
             pos = (r.topic, r.partition)
-            after[pos] = max(after[pos], r.offset + 1)
-        return _Batch(before, after, [decode_record(r, self.cfg.max_event_bytes) for r in records])
+            if r.offset >= after[pos]:
+                after[pos] = r.offset + 1
+        decoded = [decode_record(r, self.cfg.max_event_bytes) for r in records]
+        return _Batch(before, after, decoded, plan_batch(decoded, self.engine.dialect, use_copy=self.cfg.staged_writes))
 
     def _apply(self, batch: _Batch) -> None:
         """One transaction: advance the offsets from ``batch.before`` to ``batch.after``, write the rows.
 
         Never touches the bus consumer (it may run on the commit thread while the main thread polls).
         """
-        now = utcnow()
-        with self.engine.begin() as conn:
-            if conn.dialect.name == "postgresql":
-                # Short set-based statements: compiling them with JIT (PostgreSQL's default above a
-                # plan cost that tables without statistics easily reach) cost more than running them.
-                conn.exec_driver_sql("SET LOCAL jit = off")
-            self._advance(conn, batch.before, batch.after, now)
-            result = self._write(conn, batch.decoded, now)
+        try:
+            result = self._transaction(batch, isolate=False)
+        except _DATA_ERRORS:
+            # Some record is refused by the database itself: the transaction is gone; do the batch
+            # again with a savepoint per record, so that only that record is dead-lettered.
+            result = self._transaction(batch, isolate=True)
         self.positions = batch.after
         self.stats.records += len(batch.decoded)
         self.stats.transactions += 1
@@ -217,8 +226,27 @@ class Ingester:
         self.positions = None
 
     def _advance(self, conn: sa.Connection, before: dict, after: dict, now: datetime) -> None:
+        """Move the stored positions from ``before`` to ``after``, only where they still are ``before``."""
         o = t.consumer_offsets
-        for pos in sorted(p for p in after if after[p] != before[p]):
+        moving = sorted(p for p in after if after[p] != before[p])
+        if conn.dialect.name == "postgresql" and len(moving) > 1:
+            # One statement (one round trip) for every partition: the batch's slow stage is a
+            # sequence of round trips, and this was one per partition.
+            values = ", ".join(f"(:t{i}, :p{i}, :b{i}, :a{i})" for i in range(len(moving)))
+            params: dict = {"group": self.group, "now": now}
+            for i, (topic, partition) in enumerate(moving):
+                params.update({f"t{i}": topic, f"p{i}": partition, f"b{i}": before[(topic, partition)],
+                               f"a{i}": after[(topic, partition)]})
+            moved = conn.execute(sa.text(
+                "UPDATE consumer_offsets AS o SET next_offset = v.after, updated_at = :now "
+                f"FROM (VALUES {values}) AS v(topic, partition, before, after) "
+                "WHERE o.group_id = :group AND o.topic = v.topic AND o.partition = v.partition "
+                "AND o.next_offset = v.before"), params).rowcount
+            if moved != len(moving):
+                raise OffsetsMoved(f"{moved} of {len(moving)} positions were where this batch began; the others "
+                                   "moved in another transaction")
+            return
+        for pos in moving:
             topic, partition = pos
             moved = conn.execute(
                 sa.update(o).where(o.c.group_id == self.group, o.c.topic == topic, o.c.partition == partition,
@@ -227,19 +255,23 @@ class Ingester:
             if moved != 1:
                 raise OffsetsMoved(f"{topic}[{partition}] moved past {before[pos]} in another transaction")
 
-    def _write(self, conn: sa.Connection, decoded: list[Decoded], now: datetime) -> WriteResult:
+    def _transaction(self, batch: _Batch, *, isolate: bool) -> WriteResult:
+        now = utcnow()
+        with self.engine.begin() as conn:
+            self._advance(conn, batch.before, batch.after, now)
+            if not isolate:
+                return write_plan(conn, batch.plan, now, max_raw=self.cfg.dead_letter_max_raw_bytes)
+            return self._write_isolated(conn, batch.decoded, now)
+
+    def _write_isolated(self, conn: sa.Connection, decoded: list[Decoded], now: datetime) -> WriteResult:
+        """One savepoint per record; a record the database refuses becomes a ``db_rejected`` dead letter."""
         max_raw = self.cfg.dead_letter_max_raw_bytes
-        try:
-            with conn.begin_nested():
-                return write_batch(conn, decoded, now, max_raw=max_raw, use_copy=self.cfg.staged_writes)
-        except _DATA_ERRORS:
-            pass
-        # Some record is refused by the database itself: find it, one savepoint per record.
         result = WriteResult()
         for item in decoded:
             try:
                 with conn.begin_nested():
-                    result.add(write_batch(conn, [item], now, max_raw=max_raw, use_copy=False))
+                    plan = plan_batch([item], conn.dialect, use_copy=False)
+                    result.add(write_plan(conn, plan, now, max_raw=max_raw))
             except _DATA_ERRORS as err:
                 detail = f"{type(err.orig).__name__}: {err.orig}" if getattr(err, "orig", None) else str(err)
                 row = dead_letter_row(item, now, max_raw, DB_REJECTED, detail)
@@ -274,7 +306,7 @@ class Ingester:
         idle_since = last_log = time.monotonic()
         logged = 0
         inflight: tuple[Future, _Batch] | None = None
-        with self._gc_tuned(), ThreadPoolExecutor(1, thread_name_prefix="ingest-commit") as pool:
+        with self._interpreter_tuned(), ThreadPoolExecutor(1, thread_name_prefix="ingest-commit") as pool:
             while not stop.is_set():
                 n = 0
                 try:
@@ -324,7 +356,7 @@ class Ingester:
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._empty_polls = 0
-        with self._gc_tuned():
+        with self._interpreter_tuned():
             while True:
                 n = self.run_once()
                 if progress is not None and n:
@@ -335,15 +367,18 @@ class Ingester:
                     raise TimeoutError(f"ingest did not catch up within {timeout_s} s (lag {self.lag()})")
 
     @contextlib.contextmanager
-    def _gc_tuned(self):
-        """Raise the gen-0 GC threshold for the duration (see ``ingest.gc_threshold``), then restore it."""
-        previous = gc.get_threshold()
+    def _interpreter_tuned(self):
+        """For the duration: the gen-0 GC threshold raised (see ``ingest.gc_threshold``) and the GIL's
+        switch interval shortened to ``GIL_SWITCH_INTERVAL_S``; both restored afterwards."""
+        previous, interval = gc.get_threshold(), sys.getswitchinterval()
         if self.cfg.gc_threshold:
             gc.set_threshold(self.cfg.gc_threshold, *previous[1:])
+        sys.setswitchinterval(min(interval, GIL_SWITCH_INTERVAL_S))
         try:
             yield
         finally:
             gc.set_threshold(*previous)
+            sys.setswitchinterval(interval)
 
     def _recover(self, err: BaseException, stop: threading.Event) -> None:
         """After a failed step: nothing half-done is kept, so re-attach from the stored positions."""

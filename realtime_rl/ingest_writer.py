@@ -22,23 +22,31 @@ statement grows with the batch, and the server parses nothing but the JSON array
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql, sqlite
 
 from realtime_rl import tables as t
-from realtime_rl.database import json_text
 from realtime_rl.events import CompletionEvent, FeedbackEvent, ModelVersionEvent
 from realtime_rl.ingest_decode import CONFLICT, Decoded
+from realtime_rl.ingest_plan import (
+    COMPLETION_COLUMNS,
+    FEEDBACK_COLUMNS,
+    PG_COPY_TYPES,
+    BatchPlan,
+    plan_batch,
+    sqlite_timestamp,
+    utc,
+)
 
 _IN_CHUNK = 2000
 """Ids per ``IN (...)`` list: well inside SQLite's and PostgreSQL's bound-parameter limits."""
-_COPY_MIN_ROWS = 200
-"""Below this many events a plain multi-row INSERT is as fast as staging with COPY."""
 
 
 @dataclass
@@ -57,10 +65,6 @@ class WriteResult:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for reason, n in other.by_reason.items():
             self.by_reason[reason] = self.by_reason.get(reason, 0) + n
-
-
-def utc(ts: datetime) -> datetime:
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
 
 
 def dialect_insert(conn: sa.Connection, table: sa.Table):
@@ -95,52 +99,34 @@ def _completion_row(e: CompletionEvent, now: datetime) -> dict[str, Any]:
     }
 
 
-def _feedback_row(e: FeedbackEvent, now: datetime) -> dict[str, Any]:
+def _feedback_row(e: FeedbackEvent, now: datetime, is_latest: bool) -> dict[str, Any]:
     return {
         "event_id": e.event_id, "completion_id": e.completion_id, "caller": e.caller, "version": e.version,
         "signal": e.signal, "kept_text": e.kept_text, "score": e.score, "comment": e.comment,
-        "created_at": utc(e.ts), "ingested_at": now, "is_latest": False,
+        "created_at": utc(e.ts), "ingested_at": now, "is_latest": is_latest,
     }
 
 
 def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *, max_raw: int,
                 use_copy: bool = True) -> WriteResult:
     """Write ``items`` (already decoded; failures carry a reason) inside the open transaction."""
-    result = WriteResult()
-    dead: list[dict[str, Any]] = []
-    completions: dict[str, Decoded] = {}
-    feedback: dict[str, Decoded] = {}
-    versions: dict[str, ModelVersionEvent] = {}
-    seen_events: set[str] = set()
-    for item in items:
-        event = item.event
-        if event is None:
-            dead.append(dead_letter_row(item, now, max_raw))
-            continue
-        if event.event_id in seen_events:
-            result.duplicates += 1
-            continue
-        seen_events.add(event.event_id)
-        if isinstance(event, CompletionEvent):
-            if event.completion_id in completions:
-                dead.append(dead_letter_row(item, now, max_raw, CONFLICT, "completion_id "
-                                            f"{event.completion_id!r} already used by another event in this batch"))
-                continue
-            completions[event.completion_id] = item
-        elif isinstance(event, FeedbackEvent):
-            feedback[event.event_id] = item
-        else:
-            versions[event.event_id] = event
-    staged = use_copy and _can_copy(conn) and len(completions) + len(feedback) >= _COPY_MIN_ROWS
+    return write_plan(conn, plan_batch(items, conn.dialect, use_copy=use_copy), now, max_raw=max_raw)
+
+
+def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: int) -> WriteResult:
+    """Write a planned batch (:func:`realtime_rl.ingest_plan.plan_batch`) inside the open transaction."""
+    result = WriteResult(duplicates=plan.duplicates)
+    dead = [dead_letter_row(item, now, max_raw, reason, detail) for item, reason, detail in plan.dead]
+    completions, feedback = plan.completions, plan.feedback
+    if conn.dialect.name == "postgresql":
+        _pg_session(conn, staged=plan.staging == "postgresql")
 
     new_completion_ids: list[str] = []
     if completions:
-        if staged:
-            new_completion_ids = _pg_stage_insert(conn, "completions",
-                                                  [_completion_pg_row(i.event, now) for i in completions.values()])
-        elif use_copy and conn.dialect.name == "sqlite":
-            new_completion_ids = _sqlite_stage_insert(
-                conn, "completions", _COMPLETION_COLUMNS, [_completion_tuple(i.event, now) for i in completions.values()])
+        if plan.staging == "postgresql":
+            new_completion_ids = _pg_stage_insert(conn, "completions", plan.completion_rows, now)
+        elif plan.staging == "sqlite":
+            new_completion_ids = _sqlite_stage_insert(conn, "completions", plan.completion_rows, now)
         else:
             stmt = dialect_insert(conn, t.completions).on_conflict_do_nothing().returning(t.completions.c.completion_id)
             rows = [_completion_row(i.event, now) for i in completions.values()]
@@ -156,16 +142,12 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
 
     feedback_ids: set[str] = set()
     if feedback:
-        newest = _newest_in_batch([i.event for i in feedback.values()])
-        if staged:
-            inserted = _pg_stage_insert(conn, "feedback", [_feedback_pg_row(i.event, now, i.event.event_id in newest)
-                                                           for i in feedback.values()])
-        elif use_copy and conn.dialect.name == "sqlite":
-            inserted = _sqlite_stage_insert(conn, "feedback", _FEEDBACK_COLUMNS,
-                                            [_feedback_tuple(i.event, now, i.event.event_id in newest)
-                                             for i in feedback.values()])
+        if plan.staging == "postgresql":
+            inserted = _pg_stage_insert(conn, "feedback", plan.feedback_rows, now)
+        elif plan.staging == "sqlite":
+            inserted = _sqlite_stage_insert(conn, "feedback", plan.feedback_rows, now)
         else:
-            rows = [_feedback_row(i.event, now) | {"is_latest": i.event.event_id in newest} for i in feedback.values()]
+            rows = [_feedback_row(i.event, now, i.event.event_id in plan.newest) for i in feedback.values()]
             stmt = dialect_insert(conn, t.feedback).on_conflict_do_nothing().returning(t.feedback.c.completion_id)
             inserted = list(conn.execute(stmt, rows).scalars().all())
         result.feedback = len(inserted)
@@ -184,8 +166,8 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
     for chunk in _chunks(conn, sorted(joined)):
         conn.execute(sa.delete(t.pending_feedback).where(_in(conn, t.pending_feedback.c.completion_id, chunk)))
 
-    if versions:
-        result.model_versions = _write_versions(conn, list(versions.values()), now)
+    if plan.versions:
+        result.model_versions = _write_versions(conn, plan.versions, now)
     if dead:
         conn.execute(sa.insert(t.dead_letters), dead)
         result.dead_letters = len(dead)
@@ -194,103 +176,79 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
     return result
 
 
-def _can_copy(conn: sa.Connection) -> bool:
-    return conn.dialect.name == "postgresql" and conn.dialect.driver == "psycopg"
-
-
 # PostgreSQL: typed rows in COPY's binary format into a temp table shaped like the target, then one
 # INSERT ... SELECT ... ON CONFLICT. The server parses nothing but the JSON arrays (once, as the json
 # columns require): measured against staging whole JSON documents and extracting the columns with
 # ``json_populate_record`` (the document parsed three times over), server CPU per completion fell from
-# ~24 to ~11 us. JSON values travel as the compact text ``json_text`` gives, through the C text dumper
-# (the binary form of ``json`` is its text), timestamps as timezone-aware datetimes.
-_PG_TYPES = {"text": "text", "json": "text", "float": "float8", "int": "int4", "ts": "timestamptz", "bool": "bool"}
-_COMPLETION_TYPES = ("text",) * 7 + ("json",) * 6 + ("text", "float", "text", "int", "ts", "ts")
-_FEEDBACK_TYPES = ("text",) * 6 + ("float", "text", "ts", "ts", "bool")
+# ~24 to ~11 us.
+_STAGED_COLUMNS = {"completions": COMPLETION_COLUMNS, "feedback": FEEDBACK_COLUMNS}
+_RETURNING = {"completions": "completion_id", "feedback": "completion_id"}
 
 
-def _aware(ts: datetime) -> datetime:
-    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
+@contextlib.contextmanager
+def _wrapped_errors(conn: sa.Connection, statement: str) -> Iterator[None]:
+    """Driver errors from the raw cursor as SQLAlchemy's exceptions (OperationalError for an outage,
+    DataError, ...), as every other statement raises them: the ingester sorts failures by those."""
+    dbapi_error = conn.dialect.loaded_dbapi.Error
+    try:
+        yield
+    except dbapi_error as err:
+        raise sa_exc.DBAPIError.instance(statement, None, err, dbapi_error, dialect=conn.dialect) from err
 
 
-def _completion_pg_row(e: CompletionEvent, now: datetime) -> tuple:
-    return (e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion,
-            json_text(e.prompt_token_ids), json_text(e.completion_token_ids), json_text(e.logprobs),
-            None if e.sampling_logprobs is None else json_text(e.sampling_logprobs),
-            None if e.expert_ids is None else json_text(e.expert_ids), json_text(e.sampling),
-            e.finish_reason, e.latency_ms, e.task_bucket, e.choice_index, _aware(e.ts), now)
+def _pg_session(conn: sa.Connection, *, staged: bool) -> None:
+    """Per transaction, in one round trip: JIT off (these short set-based statements cost more to
+    compile than to run, and tables without statistics easily reach PostgreSQL's JIT cost threshold)
+    and, for staged batches, the session's temp tables. Those are created in every transaction rather
+    than cached (a rolled-back transaction takes its CREATE with it): cheap once they exist."""
+    sql = ["SET LOCAL jit = off"]
+    if staged:
+        for table, columns in _STAGED_COLUMNS.items():
+            cols = ", ".join(f'"{c}"' for c in columns)
+            sql.append(f"CREATE TEMP TABLE IF NOT EXISTS rtrl_stage_{table} ON COMMIT DELETE ROWS AS "
+                       f"SELECT {cols} FROM {table} WHERE false")
+    statement = "; ".join(sql)
+    with _wrapped_errors(conn, statement), conn.connection.driver_connection.cursor() as cursor:
+        cursor.execute(statement)  # no parameters: the simple protocol, several statements at once
 
 
-def _feedback_pg_row(e: FeedbackEvent, now: datetime, is_latest: bool) -> tuple:
-    return (e.event_id, e.completion_id, e.caller, e.version, e.signal, e.kept_text,
-            None if e.score is None else float(e.score), e.comment, _aware(e.ts), now, is_latest)
-
-
-def _pg_stage_insert(conn: sa.Connection, table: str, rows: list[tuple]) -> list[str]:
-    """Binary COPY of ``rows`` into a temp table emptied at every commit, then one INSERT ... SELECT."""
-    columns, types = _PG_STAGED[table]
+def _pg_stage_insert(conn: sa.Connection, table: str, rows: list[tuple], now: datetime) -> list[str]:
+    """Binary COPY of ``rows`` into the temp table (emptied at every commit), then one INSERT ... SELECT."""
     stage = f"rtrl_stage_{table}"
-    cols = ", ".join(f'"{c}"' for c in columns)
-    # Session-scoped, created in every transaction rather than cached: a rolled-back transaction takes
-    # its CREATE with it.
-    conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS {stage} ON COMMIT DELETE ROWS AS "
-                         f"SELECT {cols} FROM {table} WHERE false")
-    cursor = conn.connection.driver_connection.cursor()
-    with cursor.copy(f"COPY {stage} ({cols}) FROM STDIN (FORMAT BINARY)") as copy:
-        copy.set_types([_PG_TYPES[t] for t in types])
+    cols = ", ".join(f'"{c}"' for c in _STAGED_COLUMNS[table])
+    statement = f"COPY {stage} ({cols}) FROM STDIN (FORMAT BINARY)"
+    with _wrapped_errors(conn, statement), conn.connection.driver_connection.cursor() as cursor, \
+            cursor.copy(statement) as copy:
+        copy.set_types(PG_COPY_TYPES[table])
         for row in rows:
             copy.write_row(row)
-    result = conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {stage} "
-                                  f"ON CONFLICT DO NOTHING RETURNING {_RETURNING[table]}")
+    # Through SQLAlchemy, so that a refusal (a constraint, a trigger) arrives as its DataError or
+    # IntegrityError, which the ingester isolates record by record.
+    result = conn.exec_driver_sql(f"INSERT INTO {table} ({cols}, ingested_at) SELECT {cols}, %(now)s FROM {stage} "
+                                  f"ON CONFLICT DO NOTHING RETURNING {_RETURNING[table]}", {"now": now})
     return [r[0] for r in result]
 
 
 # SQLite: rows are bound by the driver's C ``executemany`` into a temp table, then moved with one
 # INSERT ... SELECT; this skips SQLAlchemy's per-value bind processing (most of the time otherwise).
-# Values are pre-encoded exactly as the column types would: compact JSON, and timestamps in
-# SQLAlchemy's SQLite storage format (naive UTC with microseconds).
-_COMPLETION_COLUMNS = ("completion_id", "event_id", "caller", "model", "version", "prompt", "completion",
-                       "prompt_token_ids", "completion_token_ids", "logprobs", "sampling_logprobs", "expert_ids",
-                       "sampling", "finish_reason", "latency_ms", "task_bucket", "choice_index", "created_at",
-                       "ingested_at")
-_FEEDBACK_COLUMNS = ("event_id", "completion_id", "caller", "version", "signal", "kept_text", "score", "comment",
-                     "created_at", "ingested_at", "is_latest")
-_RETURNING = {"completions": "completion_id", "feedback": "completion_id"}
-_PG_STAGED = {"completions": (_COMPLETION_COLUMNS, _COMPLETION_TYPES), "feedback": (_FEEDBACK_COLUMNS, _FEEDBACK_TYPES)}
-
-
-def sqlite_timestamp(ts: datetime) -> str:
-    return utc(ts).strftime("%Y-%m-%d %H:%M:%S.%f")
-
-
-def _completion_tuple(e: CompletionEvent, now: datetime) -> tuple:
-    return (e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion,
-            json_text(e.prompt_token_ids), json_text(e.completion_token_ids), json_text(e.logprobs),
-            None if e.sampling_logprobs is None else json_text(e.sampling_logprobs),
-            None if e.expert_ids is None else json_text(e.expert_ids), e.sampling.model_dump_json(),
-            e.finish_reason, e.latency_ms, e.task_bucket, e.choice_index, sqlite_timestamp(e.ts),
-            sqlite_timestamp(now))
-
-
-def _feedback_tuple(e: FeedbackEvent, now: datetime, is_latest: bool) -> tuple:
-    return (e.event_id, e.completion_id, e.caller, e.version, e.signal, e.kept_text, e.score, e.comment,
-            sqlite_timestamp(e.ts), sqlite_timestamp(now), int(is_latest))
-
-
-def _sqlite_stage_insert(conn: sa.Connection, table: str, columns: tuple[str, ...], rows: list[tuple]) -> list[str]:
+def _sqlite_stage_insert(conn: sa.Connection, table: str, rows: list[tuple], now: datetime) -> list[str]:
+    columns = _STAGED_COLUMNS[table]
     stage = f"temp.rtrl_stage_{table}"
     cols = ", ".join(f'"{c}"' for c in columns)
     # Created inside the transaction each time (cheap), so a rollback cannot leave us without it.
     conn.exec_driver_sql(f"CREATE TEMP TABLE IF NOT EXISTS rtrl_stage_{table} AS SELECT {cols} FROM {table} WHERE 0")
     conn.exec_driver_sql(f"DELETE FROM {stage}")
-    cursor = conn.connection.driver_connection.cursor()
-    try:
-        cursor.executemany(f"INSERT INTO {stage} ({cols}) VALUES ({', '.join('?' * len(columns))})", rows)
-    finally:
-        cursor.close()
+    statement = f"INSERT INTO {stage} ({cols}) VALUES ({', '.join('?' * len(columns))})"
+    with _wrapped_errors(conn, statement):
+        cursor = conn.connection.driver_connection.cursor()
+        try:
+            cursor.executemany(statement, rows)
+        finally:
+            cursor.close()
     # ``WHERE true`` keeps SQLite from reading ON CONFLICT as part of the SELECT.
-    result = conn.exec_driver_sql(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {stage} WHERE true "
-                                  f"ON CONFLICT DO NOTHING RETURNING {_RETURNING[table]}")
+    result = conn.exec_driver_sql(f"INSERT INTO {table} ({cols}, ingested_at) SELECT {cols}, ? FROM {stage} "
+                                  f"WHERE true ON CONFLICT DO NOTHING RETURNING {_RETURNING[table]}",
+                                  (sqlite_timestamp(now),))
     return [r[0] for r in result]
 
 
@@ -317,17 +275,6 @@ def _classify_rejected(conn: sa.Connection, wanted: dict[str, str]) -> tuple[int
         else:
             conflicts[cid] = f"event_id {event_id!r} already recorded for another completion"
     return duplicates, conflicts
-
-
-def _newest_in_batch(events: list[FeedbackEvent]) -> set[str]:
-    """Event ids of the newest feedback per completion *within* the batch: ``is_latest`` is pre-set on
-    them, so that the common case (one judgement per completion) needs no correcting update."""
-    best: dict[str, FeedbackEvent] = {}
-    for e in events:
-        cur = best.get(e.completion_id)
-        if cur is None or (utc(e.ts), e.event_id) > (utc(cur.ts), cur.event_id):
-            best[e.completion_id] = e
-    return {e.event_id for e in best.values()}
 
 
 def _mark_latest(conn: sa.Connection, completion_ids: list[str]) -> None:

@@ -21,13 +21,13 @@ from tests.ingest_fixtures import T0, completion, counts, feedback, make_setting
                         pytest.param("postgresql-staged", marks=pytest.mark.postgres)])
 def db_url(request, tmp_path: Path, monkeypatch) -> str:
     """Every test on SQLite, on PostgreSQL, and on PostgreSQL with the staged (COPY) path taken for
-    any batch size (normally only batches of ``_COPY_MIN_ROWS`` events or more take it)."""
+    any batch size (normally only batches of ``COPY_MIN_ROWS`` events or more take it)."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'feedback.db'}"
     if request.param == "postgresql-staged":
-        from realtime_rl import ingest_writer
+        from realtime_rl import ingest_plan
 
-        monkeypatch.setattr(ingest_writer, "_COPY_MIN_ROWS", 1)
+        monkeypatch.setattr(ingest_plan, "COPY_MIN_ROWS", 1)
     return request.getfixturevalue("postgres_url")
 
 
@@ -177,20 +177,20 @@ def test_a_failure_mid_transaction_commits_nothing(tmp_path: Path, db_url: str, 
     s = make_settings(tmp_path, db_url)
     # Enough events for PostgreSQL's staged (COPY) path: its temp tables die with the rolled-back transaction.
     send(s, [completion(f"c{i}") for i in range(150)] + [feedback(f"c{i}") for i in range(149)])
-    real = ingest_mod.write_batch
+    real = ingest_mod.write_plan
 
     def write_then_fail(conn, *args, **kwargs):
         real(conn, *args, **kwargs)  # rows are written inside the transaction ...
         raise sa_exc.OperationalError("INSERT", {}, Exception("connection lost"))  # ... then it dies
 
-    monkeypatch.setattr(ingest_mod, "write_batch", write_then_fail)
+    monkeypatch.setattr(ingest_mod, "write_plan", write_then_fail)
     ing = Ingester(s)
     with pytest.raises(sa_exc.OperationalError):
         ing.run_once()
     assert counts(db_url, "completions", "feedback", "training_examples") == \
         {"completions": 0, "feedback": 0, "training_examples": 0}
     assert [r[0] for r in rows(db_url, "SELECT next_offset FROM consumer_offsets")] == [0] * 6
-    monkeypatch.setattr(ingest_mod, "write_batch", real)
+    monkeypatch.setattr(ingest_mod, "write_plan", real)
     ing.drain(timeout_s=30)  # the same process resumes from the committed positions
     ing.close()
     assert counts(db_url, "completions", "feedback", "training_examples") == \

@@ -8,15 +8,17 @@ rather than hiding them behind auto-commit.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class BusUnavailable(RuntimeError):
     """The bus cannot be reached right now (producers spill and retry; consumers back off)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(NamedTuple):
+    """One consumed message. Immutable; a named tuple because a consumer builds one per message and
+    a frozen dataclass's ``__init__`` costs ~4x as much (~1 us)."""
+
     topic: str
     partition: int
     offset: int

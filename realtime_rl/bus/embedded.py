@@ -204,8 +204,7 @@ class EmbeddedConsumer(BusConsumer):
                 rows = self._conn.execute(
                     "SELECT offset, key, value, ts FROM records WHERE topic = ? AND partition = ? AND offset >= ? "
                     "ORDER BY offset LIMIT ?", (topic, partition, start, room)).fetchall()
-                for offset, key, value, ts in rows:
-                    out.append(Record(topic, partition, offset, key, value, ts))
+                out.extend([Record(topic, partition, offset, key, value, ts) for offset, key, value, ts in rows])
                 if rows:
                     self._positions[(topic, partition)] = rows[-1][0] + 1
         except sqlite3.Error as err:

@@ -1,0 +1,158 @@
+"""One batch's writes worked out from its decoded events alone, before any database is involved.
+
+Nothing here touches a connection, so the ingester does it on its main thread, right after decoding,
+while the previous batch's transaction is still running on the commit thread: that transaction is
+the pipeline's slow stage, and it is left with little but database round trips.
+
+Within the batch: a repeated event id counts as a duplicate; a second completion event for one
+completion id is a conflict (dead-lettered); the newest feedback per completion is marked, so that
+the common case (one judgement per completion) needs no correcting update. For the staged paths the
+rows are encoded here as well, without the ingestion time (the transaction adds it):
+
+- PostgreSQL: typed tuples for COPY's binary format. JSON values are the compact text ``json_text``
+  gives (the binary form of ``json`` is its text), timestamps timezone-aware datetimes.
+- SQLite: tuples for the driver's ``executemany``, pre-encoded exactly as the column types would
+  encode them: compact JSON, timestamps in SQLAlchemy's SQLite format (naive UTC, microseconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+
+from realtime_rl.database import json_text
+from realtime_rl.events import CompletionEvent, FeedbackEvent, ModelVersionEvent
+from realtime_rl.ingest_decode import CONFLICT, Decoded
+
+COPY_MIN_ROWS = 200
+"""PostgreSQL: below this many events a plain multi-row INSERT is as fast as staging with COPY."""
+
+COMPLETION_COLUMNS = ("completion_id", "event_id", "caller", "model", "version", "prompt", "completion",
+                      "prompt_token_ids", "completion_token_ids", "logprobs", "sampling_logprobs", "expert_ids",
+                      "sampling", "finish_reason", "latency_ms", "task_bucket", "choice_index", "created_at")
+FEEDBACK_COLUMNS = ("event_id", "completion_id", "caller", "version", "signal", "kept_text", "score", "comment",
+                    "created_at", "is_latest")
+"""The staged columns, in tuple order; ``ingested_at`` is added by the INSERT ... SELECT."""
+PG_COPY_TYPES = {
+    "completions": ("text",) * 7 + ("text",) * 6 + ("text", "float8", "text", "int4", "timestamptz"),
+    "feedback": ("text",) * 6 + ("float8", "text", "timestamptz", "bool"),
+}
+"""Binary COPY dumpers per staged column (``text`` for the json columns: their binary form is text)."""
+
+
+@dataclass
+class BatchPlan:
+    staging: str | None
+    """``"postgresql"`` (binary COPY), ``"sqlite"`` (executemany into a temp table) or None (plain INSERTs)."""
+    completions: dict[str, Decoded] = field(default_factory=dict)
+    """By completion id; the first event for an id wins, later ones are conflicts."""
+    feedback: dict[str, Decoded] = field(default_factory=dict)
+    """By event id."""
+    newest: set[str] = field(default_factory=set)
+    """Event ids of the newest feedback per completion within the batch."""
+    versions: list[ModelVersionEvent] = field(default_factory=list)
+    dead: list[tuple[Decoded, str | None, str | None]] = field(default_factory=list)
+    """(item, reason, detail) to dead-letter; None keeps the item's own reason and detail."""
+    duplicates: int = 0
+    completion_rows: list[tuple] = field(default_factory=list)
+    feedback_rows: list[tuple] = field(default_factory=list)
+    """Encoded rows for ``staging``, in the order of ``completions`` / ``feedback``."""
+
+
+def staging_for(dialect: sa.Dialect, use_copy: bool, n_events: int) -> str | None:
+    if not use_copy:
+        return None
+    if dialect.name == "postgresql" and dialect.driver == "psycopg":
+        return "postgresql" if n_events >= COPY_MIN_ROWS else None
+    return "sqlite" if dialect.name == "sqlite" else None
+
+
+def plan_batch(items: Sequence[Decoded], dialect: sa.Dialect, *, use_copy: bool = True) -> BatchPlan:
+    completions: dict[str, Decoded] = {}
+    feedback: dict[str, Decoded] = {}
+    versions: dict[str, ModelVersionEvent] = {}
+    dead: list[tuple[Decoded, str | None, str | None]] = []
+    seen_events: set[str] = set()
+    duplicates = 0
+    for item in items:
+        event = item.event
+        if event is None:
+            dead.append((item, None, None))
+            continue
+        if event.event_id in seen_events:
+            duplicates += 1
+            continue
+        seen_events.add(event.event_id)
+        if isinstance(event, CompletionEvent):
+            if event.completion_id in completions:
+                dead.append((item, CONFLICT, f"completion_id {event.completion_id!r} already used by another "
+                                             "event in this batch"))
+                continue
+            completions[event.completion_id] = item
+        elif isinstance(event, FeedbackEvent):
+            feedback[event.event_id] = item
+        else:
+            versions[event.event_id] = event
+    plan = BatchPlan(staging_for(dialect, use_copy, len(completions) + len(feedback)), completions, feedback,
+                     newest_in_batch([i.event for i in feedback.values()]), list(versions.values()), dead,
+                     duplicates)
+    if plan.staging == "postgresql":
+        plan.completion_rows = [_completion_pg(i.event) for i in completions.values()]
+        plan.feedback_rows = [_feedback_pg(i.event, i.event.event_id in plan.newest) for i in feedback.values()]
+    elif plan.staging == "sqlite":
+        plan.completion_rows = [_completion_sqlite(i.event) for i in completions.values()]
+        plan.feedback_rows = [_feedback_sqlite(i.event, i.event.event_id in plan.newest) for i in feedback.values()]
+    return plan
+
+
+def newest_in_batch(events: list[FeedbackEvent]) -> set[str]:
+    """Event ids of the newest feedback per completion *within* the batch (by the event's timestamp,
+    ties by event id): ``is_latest`` is pre-set on them."""
+    best: dict[str, FeedbackEvent] = {}
+    for e in events:
+        cur = best.get(e.completion_id)
+        if cur is None or (utc(e.ts), e.event_id) > (utc(cur.ts), cur.event_id):
+            best[e.completion_id] = e
+    return {e.event_id for e in best.values()}
+
+
+def utc(ts: datetime) -> datetime:
+    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+
+
+def sqlite_timestamp(ts: datetime) -> str:
+    return utc(ts).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _aware(ts: datetime) -> datetime:
+    """Naive event timestamps mean UTC (as everywhere in the schema); aware ones travel as they are."""
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
+
+
+def _completion_pg(e: CompletionEvent) -> tuple:
+    return (e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion,
+            json_text(e.prompt_token_ids), json_text(e.completion_token_ids), json_text(e.logprobs),
+            None if e.sampling_logprobs is None else json_text(e.sampling_logprobs),
+            None if e.expert_ids is None else json_text(e.expert_ids), json_text(e.sampling),
+            e.finish_reason, e.latency_ms, e.task_bucket, e.choice_index, _aware(e.ts))
+
+
+def _feedback_pg(e: FeedbackEvent, is_latest: bool) -> tuple:
+    return (e.event_id, e.completion_id, e.caller, e.version, e.signal, e.kept_text,
+            None if e.score is None else float(e.score), e.comment, _aware(e.ts), is_latest)
+
+
+def _completion_sqlite(e: CompletionEvent) -> tuple:
+    return (e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion,
+            json_text(e.prompt_token_ids), json_text(e.completion_token_ids), json_text(e.logprobs),
+            None if e.sampling_logprobs is None else json_text(e.sampling_logprobs),
+            None if e.expert_ids is None else json_text(e.expert_ids), json_text(e.sampling),
+            e.finish_reason, e.latency_ms, e.task_bucket, e.choice_index, sqlite_timestamp(e.ts))
+
+
+def _feedback_sqlite(e: FeedbackEvent, is_latest: bool) -> tuple:
+    return (e.event_id, e.completion_id, e.caller, e.version, e.signal, e.kept_text, e.score, e.comment,
+            sqlite_timestamp(e.ts), int(is_latest))
