@@ -3,6 +3,13 @@
 Layout per row: ``[pad … pad, prompt, completion, pad … pad]`` (prompt left-padded, completion
 right-padded), position ids counting real tokens only, exactly as the sampler builds them, so that
 on the same fp32 weights the recomputed log-probs agree with the sampler's raw log-probs to ~1e-6.
+
+Shared prompts. A GRPO batch holds G completions of each prompt. When prompts repeat,
+:func:`sequence_logprobs` runs each distinct prompt once, copies its KV cache to the rows that share
+it, and runs only the completions against it: the work falls from B·(P+C) to U·P + B·C tokens (U
+distinct prompts; about 3x less on the bench shape, 4 prompts x 8 samples). Gradients flow back
+through the copies into the one prompt pass, so values and gradients equal the plain layout's
+(tested to 1e-5).
 """
 
 from __future__ import annotations
@@ -43,9 +50,28 @@ def pad_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_
     return input_ids, attn, position_ids, cmask, P
 
 
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, cmask: torch.Tensor,
+                    with_entropy: bool) -> TokenLogprobs:
+    logp_all = logits.float().log_softmax(-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1).masked_fill(~cmask, 0.0)
+    entropy = None
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all).sum(-1).masked_fill(~cmask, 0.0)
+    return TokenLogprobs(logprobs=logp, mask=cmask, entropy=entropy)
+
+
 def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
-                      with_entropy: bool = False, grad: bool = False, pad_token_id: int = 0) -> TokenLogprobs:
-    """Per-token log-probs (and optionally entropy) of each completion given its prompt."""
+                      with_entropy: bool = False, grad: bool = False, pad_token_id: int = 0,
+                      share_prompts: bool | None = None) -> TokenLogprobs:
+    """Per-token log-probs (and optionally entropy) of each completion given its prompt.
+
+    ``share_prompts``: run each distinct prompt once (see the module docstring); ``None`` does so
+    whenever some prompt occurs more than once."""
+    keys = [tuple(p) for p in prompt_ids]
+    if share_prompts is None:
+        share_prompts = len(set(keys)) < len(keys)
+    if share_prompts and completion_ids and max(len(c) for c in completion_ids) > 0:
+        return _shared_prompt_logprobs(model, keys, completion_ids, with_entropy, grad, pad_token_id)
     device = next(model.parameters()).device
     input_ids, attn, pos, cmask, P = pad_batch(prompt_ids, completion_ids, pad_token_id)
     input_ids, attn, pos, cmask = input_ids.to(device), attn.to(device), pos.to(device), cmask.to(device)
@@ -53,11 +79,32 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[l
     with nullcontext() if grad else torch.no_grad():
         # Only positions P-1 … P+C-2 predict completion tokens; slice before the softmax to save memory.
         logits = model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
-        logits = logits[:, P - 1:P - 1 + C, :].float()
-        logp_all = logits.log_softmax(-1)
-        targets = input_ids[:, P:P + C]
-        logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1).masked_fill(~cmask, 0.0)
-        entropy = None
-        if with_entropy:
-            entropy = -(logp_all.exp() * logp_all).sum(-1).masked_fill(~cmask, 0.0)
-    return TokenLogprobs(logprobs=logp, mask=cmask, entropy=entropy)
+        return _token_logprobs(logits[:, P - 1:P - 1 + C, :], input_ids[:, P:P + C], cmask, with_entropy)
+
+
+def _shared_prompt_logprobs(model, prompts: list[tuple[int, ...]], completion_ids: list[list[int]],
+                            with_entropy: bool, grad: bool, pad_token_id: int) -> TokenLogprobs:
+    device = next(model.parameters()).device
+    unique: dict[tuple[int, ...], int] = {}
+    row_prompt = torch.tensor([unique.setdefault(p, len(unique)) for p in prompts], device=device)
+    distinct = list(unique)
+    p_ids, p_attn, p_pos, _, P = pad_batch([list(p) for p in distinct], [[] for _ in distinct], pad_token_id)
+    B, C = len(prompts), max(len(c) for c in completion_ids)
+    c_ids = torch.full((B, C), pad_token_id, dtype=torch.long)
+    cmask = torch.zeros((B, C), dtype=torch.bool)
+    for i, c in enumerate(completion_ids):
+        if c:
+            c_ids[i, :len(c)] = torch.tensor(c)
+            cmask[i, :len(c)] = True
+    p_ids, p_attn, p_pos, c_ids, cmask = (t.to(device) for t in (p_ids, p_attn, p_pos, c_ids, cmask))
+    with nullcontext() if grad else torch.no_grad():
+        out = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True)
+        cache = out.past_key_values
+        cache.batch_select_indices(row_prompt)  # indexing copies: differentiable, the prompt pass gets every row's gradient
+        attn = torch.cat([p_attn[row_prompt], cmask.long()], dim=1)
+        c_pos = p_attn.sum(-1)[row_prompt].unsqueeze(1) + torch.arange(C, device=device).unsqueeze(0)
+        c_logits = model(input_ids=c_ids, attention_mask=attn, position_ids=c_pos, past_key_values=cache,
+                         use_cache=True).logits
+        # The prompt's last position predicts the first completion token; completion position t the t+1-th.
+        logits = torch.cat([out.logits[row_prompt, -1:, :], c_logits[:, :C - 1, :]], dim=1)
+        return _token_logprobs(logits, c_ids, cmask, with_entropy)

@@ -92,6 +92,33 @@ def test_recompute_matches_sampler_logprobs_fp32(policy, params):
         assert (rec.entropy[i, :n] > 0).all()
 
 
+def test_shared_prompt_recompute_equals_the_plain_layout_values_and_gradients(tiny_model_dir):
+    # G completions per prompt (ragged prompts, ragged completions, one empty): running each distinct
+    # prompt once and copying its KV cache must give the plain layout's log-probs, entropies and grads.
+    model = load_policy(tiny_model_dir).model.train()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+    rows_p, rows_c = [], []
+    for i, pr in enumerate(prompts):
+        for j in range(4):
+            rows_p.append(pr)
+            rows_c.append([20 + (i * 7 + j * 3 + t) % 200 for t in range(1 + (i + j) % 5)])
+    rows_c[5] = []
+
+    def run(share: bool):
+        model.zero_grad()
+        tl = sequence_logprobs(model, rows_p, rows_c, grad=True, with_entropy=True, share_prompts=share)
+        (tl.logprobs.sum() + 0.1 * tl.entropy.sum()).backward()
+        return tl, torch.cat([q.grad.flatten() for q in model.parameters()])
+
+    plain, g_plain = run(False)
+    shared, g_shared = run(True)
+    assert torch.equal(plain.mask, shared.mask)
+    assert (plain.logprobs - shared.logprobs).abs().max().item() < 1e-5
+    assert (plain.entropy - shared.entropy).abs().max().item() < 1e-5
+    assert (g_plain - g_shared).abs().max().item() < 1e-5 * max(1.0, g_plain.abs().max().item())
+    assert g_plain.abs().max().item() > 0
+
+
 def test_sampling_logprobs_follow_the_distribution_used(policy):
     plain = generate(policy.model, policy.tokenizer, PROMPTS[:1], SamplingParams(n=2, max_new_tokens=6, seed=5))
     for s in plain[0]:
