@@ -92,6 +92,17 @@ class CodingEnv:
                 return tool, text[len(tool):].strip()
         return "submit", text
 
+    def final_submission(self, state: EpisodeState, action: str) -> str | None:
+        """The expression :meth:`step` would submit for ``action`` if it ends the episode by submitting,
+        else None; nothing changes (lets a rollout loop start scoring before it steps the env)."""
+        if state.done:
+            return None
+        line = action.split("\n", 1)[0]
+        if not self.multi_turn:
+            return line.strip()
+        tool, expr = self.parse_action(line)
+        return expr if tool == "submit" else None
+
     def step(self, state: EpisodeState, action: str) -> str:
         """Apply one policy line; returns the observation appended to the context ('' when done)."""
         if state.done:

@@ -11,10 +11,11 @@ that does nothing. Every part is returned separately so the trainer logs each on
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from offline_rl.config import RewardSettings
-from offline_rl.env import score_expression
+from offline_rl.env import compiles, program_for, score_expression
 from offline_rl.judge import Judge, JudgeError
 from offline_rl.sandbox import RunResult, Sandbox, SandboxPool
 from offline_rl.tasks import Task
@@ -66,27 +67,47 @@ class RewardFunction:
 
     def score_many(self, items: Sequence[tuple[Task, str | None, bool]]) -> list[Reward]:
         """Score a batch; identical (task, expression) pairs are run once (GRPO groups repeat a lot)."""
-        runs: dict[tuple[str, str | None], RunResult] = {}
-        unique = []
-        for task, expr, _ in items:
-            key = (task.task_id, None if expr is None else expr.strip())
-            if key not in runs:
-                runs[key] = None  # type: ignore[assignment]
-                unique.append((key, task, expr))
-        if isinstance(self.sandbox, SandboxPool) and self.sandbox.size > 1:
-            from offline_rl.env import compiles, program_for
+        return self.pending().rewards(items)
 
-            jobs, keys = [], []
-            for key, task, expr in unique:
-                if expr is not None and expr.strip() and compiles(program_for(task, expr)):
-                    jobs.append((program_for(task, expr), task.entry_point, task.tests))
-                    keys.append(key)
-                else:
-                    runs[key] = score_expression(self.sandbox, task, expr)
-            for key, res in zip(keys, self.sandbox.run_many(jobs), strict=True):
-                runs[key] = res
+    def pending(self) -> PendingRewards:
+        """A batch whose sandbox runs start as submissions arrive (see :class:`PendingRewards`)."""
+        return PendingRewards(self)
+
+
+class PendingRewards:
+    """Submissions scored while the rest of the batch is still being generated.
+
+    :meth:`add` starts the hidden-test run at once in the sandbox pool's threads (the work happens in
+    the fork servers' children, i.e. on another core), so a rollout loop that adds each completion as
+    it finishes overlaps scoring with decoding. Identical (task, expression) pairs run once.
+    :meth:`rewards` waits for the runs and combines them with the judge scores."""
+
+    def __init__(self, fn: RewardFunction):
+        self.fn = fn
+        self.runs: dict[tuple[str, str | None], Future[RunResult] | RunResult] = {}
+
+    @staticmethod
+    def _key(task: Task, expr: str | None) -> tuple[str, str | None]:
+        return task.task_id, None if expr is None else expr.strip()
+
+    def add(self, task: Task, expr: str | None) -> None:
+        key = self._key(task, expr)
+        if key in self.runs:
+            return
+        sandbox = self.fn.sandbox
+        if (isinstance(sandbox, SandboxPool) and expr is not None and expr.strip()
+                and compiles(program_for(task, expr))):
+            self.runs[key] = sandbox.submit(program_for(task, expr), task.entry_point, task.tests)
         else:
-            for key, task, expr in unique:
-                runs[key] = score_expression(self.sandbox, task, expr)
-        return [self.score(task, expr, wf, run=runs[(task.task_id, None if expr is None else expr.strip())])
-                for task, expr, wf in items]
+            self.runs[key] = score_expression(sandbox, task, expr)
+
+    def rewards(self, items: Sequence[tuple[Task, str | None, bool]]) -> list[Reward]:
+        for task, expr, _ in items:
+            self.add(task, expr)
+        out = []
+        for task, expr, well_formed in items:
+            run = self.runs[self._key(task, expr)]
+            if isinstance(run, Future):
+                run = run.result()
+            out.append(self.fn.score(task, expr, well_formed, run=run))
+        return out

@@ -15,7 +15,7 @@ the behaviour log-probs.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,7 +31,10 @@ class RolloutBackend(Protocol):
     name: str
     version: int
 
-    def sample(self, prompt_ids: Sequence[list[int]], params: Sequence[SamplingParams]) -> list[Sample]: ...
+    def sample(self, prompt_ids: Sequence[list[int]], params: Sequence[SamplingParams],
+               on_finish: Callable[[int, Sample], None] | None = None) -> list[Sample]:
+        """One completion per row; ``on_finish(row, sample)`` as each row finishes (or all at the end)."""
+        ...
 
     def load_weights(self, state_dict: dict, version: int) -> None: ...
 
@@ -42,10 +45,10 @@ class TorchBackend:
     def __init__(self, model, tokenizer, version: int = 0):
         self.model, self.tokenizer, self.version = model, tokenizer, version
 
-    def sample(self, prompt_ids, params):
+    def sample(self, prompt_ids, params, on_finish=None):
         tok = self.tokenizer
         return generate_ids(self.model, [list(p) for p in prompt_ids], list(params), eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id, decode=lambda t: tok.decode(t))
+                            pad_token_id=tok.pad_token_id, decode=lambda t: tok.decode(t), on_finish=on_finish)
 
     def load_weights(self, state_dict: dict, version: int) -> None:
         self.model.load_state_dict(state_dict, strict=False)
@@ -68,7 +71,7 @@ class VLLMBackend:
         self.llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=seed,
                        max_model_len=None, enable_prefix_caching=True)
 
-    def sample(self, prompt_ids, params):
+    def sample(self, prompt_ids, params, on_finish=None):
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
@@ -85,6 +88,9 @@ class VLLMBackend:
             finish = FINISH_STOP if c.finish_reason == "stop" else "length"
             samples.append(Sample(prompt_token_ids=list(ids), token_ids=token_ids, text=c.text, finish_reason=finish,
                                   logprobs=lps, sampling_logprobs=lps))
+        if on_finish is not None:  # LLM.generate returns the whole batch at once
+            for row, sample in enumerate(samples):
+                on_finish(row, sample)
         return samples
 
     def load_weights(self, state_dict: dict, version: int) -> None:
@@ -121,7 +127,9 @@ def run_episodes(backend: RolloutBackend, tokenizer, env: CodingEnv, tasks: Sequ
     """``group_size`` episodes per task, batched across all live episodes each turn.
 
     Trajectories come back grouped: task 0's G episodes first, then task 1's, ... When ``reward_fn``
-    is given, every trajectory's reward, parts and pass flag are filled in."""
+    is given, every trajectory's reward, parts and pass flag are filled in; a completion that ends its
+    episode starts its sandbox run the moment its row finishes, overlapping scoring with decoding."""
+    pending = reward_fn.pending() if reward_fn is not None else None
     states, trajs = [], []
     for task in tasks:
         for _ in range(group_size):
@@ -135,7 +143,13 @@ def run_episodes(backend: RolloutBackend, tokenizer, env: CodingEnv, tasks: Sequ
         rows = [trajs[i].prompt_ids + trajs[i].completion_ids for i in live]
         params = [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop=STOP,
                                  seed=None if seed is None else seed * 7919 + 104729 * turn + i) for i in live]
-        samples = backend.sample(rows, params)
+        def score_early(j: int, sample: Sample, batch_rows: tuple[int, ...] = tuple(live)) -> None:
+            state = states[batch_rows[j]]
+            expr = env.final_submission(state, sample.text)
+            if pending is not None and expr is not None:
+                pending.add(state.task, expr)
+
+        samples = backend.sample(rows, params, on_finish=score_early if pending is not None else None)
         still = []
         for i, s in zip(live, samples, strict=True):
             tr, st = trajs[i], states[i]
@@ -159,8 +173,8 @@ def run_episodes(backend: RolloutBackend, tokenizer, env: CodingEnv, tasks: Sequ
             still.append(i)
         live = still
         turn += 1
-    if reward_fn is not None:
-        rewards = reward_fn.score_many([(t.task, t.submission, t.well_formed) for t in trajs])
+    if pending is not None:
+        rewards = pending.rewards([(t.task, t.submission, t.well_formed) for t in trajs])
         for t, r in zip(trajs, rewards, strict=True):
             t.reward, t.parts, t.passed = r.total, r.parts, r.passed
     return trajs

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -217,14 +217,26 @@ class SandboxPool:
         self.size = size or self.settings.pool_size
         self.sandboxes = [Sandbox(self.settings) for _ in range(self.size)]
         self._executor = ThreadPoolExecutor(self.size) if self.size > 1 else None
+        self._next, self._next_lock = 0, threading.Lock()
         self.isolation = self.sandboxes[0].isolation
         self.isolation_reason = self.sandboxes[0].isolation_reason
 
     def run_many(self, jobs: Sequence[tuple[str, str, Sequence[TestCase]]]) -> list[RunResult]:
+        return [f.result() for f in [self.submit(*job) for job in jobs]]
+
+    def submit(self, code: str, entry_point: str, tests: Sequence[TestCase]) -> Future[RunResult]:
+        """Start a run in the pool's threads and return at once (a pool of one runs it here)."""
         if self._executor is None:
-            return [self.sandboxes[0].run(*job) for job in jobs]
-        futures = [self._executor.submit(self.sandboxes[i % self.size].run, *job) for i, job in enumerate(jobs)]
-        return [f.result() for f in futures]
+            done: Future[RunResult] = Future()
+            try:
+                done.set_result(self.sandboxes[0].run(code, entry_point, tests))
+            except BaseException as err:  # noqa: BLE001 - delivered through the future, as a thread would
+                done.set_exception(err)
+            return done
+        with self._next_lock:
+            sandbox = self.sandboxes[self._next % self.size]
+            self._next += 1
+        return self._executor.submit(sandbox.run, code, entry_point, tests)
 
     def run(self, code: str, entry_point: str, tests: Sequence[TestCase]) -> RunResult:
         return self.sandboxes[0].run(code, entry_point, tests)

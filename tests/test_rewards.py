@@ -182,3 +182,30 @@ def test_llm_judge_errors_are_counted_not_fatal(judge_server, sandbox):
 def test_api_key_is_never_in_the_settings_dump():
     s = JudgeSettings(kind="llm", api_key=SecretStr("top-secret"))
     assert "top-secret" not in repr(s) and "top-secret" not in s.model_dump_json()
+
+
+def test_scoring_while_decoding_equals_scoring_afterwards(tiny_model_dir):
+    # run_episodes starts each finished row's sandbox run during decoding; the rewards must be exactly
+    # those of scoring the finished batch in one call, with repeated submissions run once.
+    from offline_rl.config import EnvSettings
+    from offline_rl.env import CodingEnv
+    from offline_rl.rollout import TorchBackend, run_episodes
+    from offline_rl.sandbox import SandboxPool
+    from offline_rl.tasks import generate_tasks
+    from policy.loading import load_policy
+
+    policy = load_policy(tiny_model_dir)
+    tasks = generate_tasks(0).train[:3]
+    with SandboxPool(SandboxSettings(), size=3) as pool:
+        env = CodingEnv(pool, EnvSettings())
+        fn = RewardFunction(pool, RewardSettings(require_pass=False))
+        backend = TorchBackend(policy.model, policy.tokenizer)
+        early = run_episodes(backend, policy.tokenizer, env, tasks, 4, 1.0, 12, seed=3, reward_fn=fn)
+        late = run_episodes(backend, policy.tokenizer, env, tasks, 4, 1.0, 12, seed=3)
+        batch = fn.score_many([(t.task, t.submission, t.well_formed) for t in late])
+        pending = fn.pending()
+        for t in late:
+            pending.add(t.task, t.submission)
+        assert len(pending.runs) == len({(t.task.task_id, t.submission and t.submission.strip()) for t in late})
+    assert [t.submission for t in early] == [t.submission for t in late]
+    assert [(t.reward, t.parts, t.passed) for t in early] == [(r.total, r.parts, r.passed) for r in batch]
