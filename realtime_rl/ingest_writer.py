@@ -148,12 +148,14 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
             inserted = _sqlite_stage_insert(conn, "feedback", plan.feedback_rows, now)
         else:
             rows = [_feedback_row(i.event, now, i.event.event_id in plan.newest) for i in feedback.values()]
-            stmt = dialect_insert(conn, t.feedback).on_conflict_do_nothing().returning(t.feedback.c.completion_id)
+            stmt = (dialect_insert(conn, t.feedback).on_conflict_do_nothing(index_elements=[t.feedback.c.event_id])
+                    .returning(t.feedback.c.completion_id))
             inserted = list(conn.execute(stmt, rows).scalars().all())
         result.feedback = len(inserted)
         result.duplicates += len(feedback) - len(inserted)
         feedback_ids = set(inserted)
-        _mark_latest(conn, sorted(feedback_ids))
+        if conn.dialect.name != "postgresql":  # PostgreSQL: in the training-example statement below
+            _mark_latest(conn, sorted(feedback_ids))
 
     touched = sorted(set(new_completion_ids) | feedback_ids)
     joined = _upsert_training_examples(conn, touched, now) if touched else set()
@@ -183,6 +185,9 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
 # ~24 to ~11 us.
 _STAGED_COLUMNS = {"completions": COMPLETION_COLUMNS, "feedback": FEEDBACK_COLUMNS}
 _RETURNING = {"completions": "completion_id", "feedback": "completion_id"}
+_CONFLICT = {"completions": "", "feedback": "(event_id)"}
+"""Arbiters: a completion conflicts on either of its unique ids; feedback only on its event id (its
+other unique key is a fresh identity, not worth a probe per row)."""
 
 
 @contextlib.contextmanager
@@ -225,7 +230,7 @@ def _pg_stage_insert(conn: sa.Connection, table: str, rows: list[tuple], now: da
     # Through SQLAlchemy, so that a refusal (a constraint, a trigger) arrives as its DataError or
     # IntegrityError, which the ingester isolates record by record.
     result = conn.exec_driver_sql(f"INSERT INTO {table} ({cols}, ingested_at) SELECT {cols}, %(now)s FROM {stage} "
-                                  f"ON CONFLICT DO NOTHING RETURNING {_RETURNING[table]}", {"now": now})
+                                  f"ON CONFLICT {_CONFLICT[table]} DO NOTHING RETURNING {_RETURNING[table]}", {"now": now})
     return [r[0] for r in result]
 
 
@@ -247,7 +252,7 @@ def _sqlite_stage_insert(conn: sa.Connection, table: str, rows: list[tuple], now
             cursor.close()
     # ``WHERE true`` keeps SQLite from reading ON CONFLICT as part of the SELECT.
     result = conn.exec_driver_sql(f"INSERT INTO {table} ({cols}, ingested_at) SELECT {cols}, ? FROM {stage} "
-                                  f"WHERE true ON CONFLICT DO NOTHING RETURNING {_RETURNING[table]}",
+                                  f"WHERE true ON CONFLICT {_CONFLICT[table]} DO NOTHING RETURNING {_RETURNING[table]}",
                                   (sqlite_timestamp(now),))
     return [r[0] for r in result]
 
@@ -296,6 +301,8 @@ _EXAMPLE_UPDATED = ("signal", "kept_text", "score", "feedback_event_id", "feedba
 
 
 def _upsert_training_examples(conn: sa.Connection, completion_ids: list[str], now: datetime) -> set[str]:
+    """Upsert the example of every id that has both halves; returns those ids. On PostgreSQL this also
+    corrects ``is_latest`` for them (elsewhere ``_mark_latest`` has done that first)."""
     if conn.dialect.name == "postgresql":
         return {r[0] for r in conn.exec_driver_sql(_PG_EXAMPLES, {"ids": completion_ids, "now": now})}
     c, f, te = t.completions, t.feedback, t.training_examples
@@ -320,19 +327,34 @@ def _upsert_training_examples(conn: sa.Connection, completion_ids: list[str], no
 
 _EXAMPLE_TARGET = (*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback_event_id", "feedback_count",
                    "feedback_at", "completion_at", "updated_at")
-# The same join for PostgreSQL, driven from the id list: one primary-key probe of completions and one
-# index range of feedback per id (LIMIT keeps the planner from flattening the LATERALs). The planned
-# hash join instead scanned both tables whole for every batch while their statistics were missing
-# (fresh tables until autovacuum analyses them), which grows with the table; this does not.
+# PostgreSQL: ``is_latest`` and the join in one statement, driven from the id list. Per id, one index
+# range of feedback finds the newest judgement (the order ``_mark_latest`` uses) and counts them all;
+# the flags are corrected only where a completion has more than one judgement (a single one was
+# flagged when it was inserted), and the example takes the newest's fields straight from that range,
+# with one primary-key probe of completions. The CTE's UPDATE runs on the same snapshot as the INSERT,
+# which reads nothing it changes. LIMIT / OFFSET 0 keep the planner from flattening the LATERALs, and
+# the UPDATE finds its rows by primary key: the hash and merge joins planned otherwise scanned whole
+# tables for every batch while their statistics were missing (fresh tables until autovacuum analyses
+# them), which grows with the table; this does not.
 _PG_EXAMPLES = f"""
+WITH latest AS MATERIALIZED (
+    SELECT k.id, l.*
+    FROM unnest(%(ids)s::text[]) AS k(id)
+    CROSS JOIN LATERAL (SELECT {", ".join(_EXAMPLE_FROM_FEEDBACK)}, event_id, created_at, count(*) OVER () AS n
+                        FROM feedback WHERE completion_id = k.id
+                        ORDER BY created_at DESC, event_id DESC LIMIT 1) l
+), flags AS (
+    UPDATE feedback SET is_latest = NOT is_latest
+    WHERE id = ANY(ARRAY(SELECT r.id FROM latest l
+                         CROSS JOIN LATERAL (SELECT id, event_id, is_latest FROM feedback
+                                             WHERE completion_id = l.id OFFSET 0) r
+                         WHERE l.n > 1 AND r.is_latest <> (r.event_id = l.event_id)))
+)
 INSERT INTO training_examples ({", ".join(_EXAMPLE_TARGET)})
-SELECT {", ".join(f"c.{n}" for n in _EXAMPLE_FROM_COMPLETION)}, {", ".join(f"f.{n}" for n in _EXAMPLE_FROM_FEEDBACK)},
-       f.event_id, f.n, f.created_at, c.created_at, %(now)s
-FROM unnest(%(ids)s::text[]) AS k(id)
-CROSS JOIN LATERAL (SELECT * FROM completions WHERE completion_id = k.id LIMIT 1) c
-CROSS JOIN LATERAL (SELECT {", ".join(_EXAMPLE_FROM_FEEDBACK)}, event_id, created_at, is_latest, count(*) OVER () AS n
-                    FROM feedback WHERE completion_id = k.id ORDER BY is_latest DESC LIMIT 1) f
-WHERE f.is_latest
+SELECT {", ".join(f"c.{n}" for n in _EXAMPLE_FROM_COMPLETION)}, {", ".join(f"l.{n}" for n in _EXAMPLE_FROM_FEEDBACK)},
+       l.event_id, l.n, l.created_at, c.created_at, %(now)s
+FROM latest l
+CROSS JOIN LATERAL (SELECT * FROM completions WHERE completion_id = l.id LIMIT 1) c
 ON CONFLICT (completion_id) DO UPDATE SET {", ".join(f"{n} = excluded.{n}" for n in _EXAMPLE_UPDATED)}
 RETURNING completion_id"""
 

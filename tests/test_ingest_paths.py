@@ -103,3 +103,31 @@ def test_fast_path_plain_path_and_sqlite_store_the_same(tmp_path: Path, postgres
     assert fast == lite
     assert lite == lite_plain
     assert nulls == [nulls[0]] * 4 and nulls[0] > 0  # missing arrays are SQL NULL on every path
+
+
+@pytest.mark.postgres
+def test_many_small_batches_store_what_one_batch_stores(tmp_path: Path, postgres_admin_url: str,
+                                                        monkeypatch) -> None:
+    """Revisions, early feedback and their joins split across many transactions (staged path forced
+    on PostgreSQL for every batch) end in exactly the rows one big batch gives, on both databases."""
+    from realtime_rl import ingest_plan
+    from rtrl import devservices
+
+    monkeypatch.setattr(ingest_plan, "COPY_MIN_ROWS", 1)
+    messages = sample_stream(1500, seed=5, revise_rate=0.3, early_rate=0.15).messages
+    snapshots = []
+    with devservices.temporary_postgres_database(postgres_admin_url) as pg_small, \
+            devservices.temporary_postgres_database(postgres_admin_url) as pg_one:
+        for url, batch in ((pg_small, 97), (pg_one, 5000), (f"sqlite:///{tmp_path / 'small.db'}", 97)):
+            s = make_settings(tmp_path, url, ingest={"batch_max_records": batch})
+            send(s, messages)
+            ing = Ingester(s)
+            ing.drain(timeout_s=120)
+            ing.close()
+            assert ing.stats.written.dead_letters == 0
+            assert (ing.stats.transactions > 10) == (batch == 97)
+            snapshots.append(_snapshot(url))
+    small, one, lite = snapshots
+    assert small == one
+    assert small == lite
+    assert any(r["feedback_count"] > 1 for r in small["training_examples"])
