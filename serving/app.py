@@ -93,6 +93,23 @@ def _json(model: BaseModel, headers: dict[str, str] | None = None) -> Response:
     return Response(model.model_dump_json(), media_type="application/json", headers=headers)
 
 
+class _ThenResponse(Response):
+    """A JSON response that runs ``after()`` once its bytes are handed to the server, whether or not the
+    client is still there: work the caller does not wait for (events, metrics) stays off its latency."""
+
+    media_type = "application/json"
+
+    def __init__(self, content: str, headers: dict[str, str], after: Callable[[], None]) -> None:
+        super().__init__(content, headers=headers)
+        self._after = after
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._after()
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -209,8 +226,17 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         if own:
             await asyncio.to_thread(gw.stop)
 
-    app = FastAPI(title="rtrl gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="rtrl gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.gateway = gw
+
+    def route(path: str, method: str):
+        """Plain Starlette routes: every handler takes the Request and reads and validates its body itself,
+        so FastAPI's per-request dependency solving would only add latency."""
+        def register(fn):
+            app.add_route(path, fn, methods=[method], include_in_schema=False)
+            return fn
+        return register
     m = gw.metrics
 
     @app.exception_handler(APIError)
@@ -338,11 +364,10 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         return out
 
     def record(key_id: str, req, gens: list[Generation], prompt_texts: list[str], max_new: int,
-               t_start: float, ids: list[tuple[str, str]] | None = None) -> tuple[str, list[tuple[str, str]]]:
-        """Emit each choice's completion event; returns (model string, [(completion_id, token)])."""
-        latency_ms = (time.perf_counter() - t_start) * 1000
-        if ids is None:
-            ids = attribution(key_id, len(gens), gens[0].version)
+               latency_s: float, ids: list[tuple[str, str]], reserved: bool = False) -> None:
+        """Emit each choice's completion event (``latency_s``: until the response was ready).
+        ``reserved``: the events were announced with ``emitter.reserve`` before the response went out."""
+        latency_ms = latency_s * 1000
         sampling = SamplingRecord(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                   max_tokens=max_new, stop=list(req.stop), seed=req.seed)
         for idx, (g, (cid, _)) in enumerate(zip(gens, ids, strict=True)):
@@ -353,10 +378,9 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
                 prompt_token_ids=sample.prompt_token_ids, completion_token_ids=sample.token_ids,
                 logprobs=sample.logprobs, sampling_logprobs=sample.sampling_logprobs, sampling=sampling,
                 finish_reason=sample.finish_reason, latency_ms=latency_ms, task_bucket=req.task_bucket,
-                choice_index=idx))
+                choice_index=idx), reserved=reserved)
             m.completions.labels(g.version).inc()
             m.tokens.inc(len(sample.token_ids))
-        return f"{gw.model_name}@{gens[0].version}", ids
 
     def token_strings(ids: list[int]) -> list[str]:
         return [gw.engine.tokenizer.decode([t]) for t in ids]
@@ -385,13 +409,38 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         ct = sum(len(g.sample.token_ids) for g in gens)
         return Usage(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
 
-    def finish(route: str, t_start: float, engine_s: float, status: int = 200) -> dict[str, str]:
-        total = time.perf_counter() - t_start
-        m.requests.labels(route, str(status)).inc()
-        m.latency.labels(route).observe(total)
+    ok = {r: (m.requests.labels(r, "200"), m.latency.labels(r)) for r in ("/v1/completions", "/v1/chat/completions")}
+
+    def observe(route: str, total: float, engine_s: float) -> None:
+        count, latency = ok[route]
+        count.inc()
+        latency.observe(total)
         m.overhead.observe(max(0.0, total - engine_s))
         m.engine_queue.set(gw.engine.queue_depth)
-        return {"x-rtrl-overhead-ms": f"{(total - engine_s) * 1000:.3f}", "x-rtrl-engine-ms": f"{engine_s * 1000:.3f}"}
+
+    def timing(t_start: float, engine_s: float, gens: list[Generation]) -> tuple[float, dict[str, str]]:
+        """Time so far and the diagnostic headers: the gateway's time outside the engine, the time from
+        submit to result (queue + generate), and the engine's own generate time for this request."""
+        total = time.perf_counter() - t_start
+        gen_ms = max(g.engine_ms for g in gens)
+        return total, {"x-rtrl-overhead-ms": f"{(total - engine_s) * 1000:.3f}",
+                       "x-rtrl-engine-ms": f"{engine_s * 1000:.3f}", "x-rtrl-generate-ms": f"{gen_ms:.3f}"}
+
+    def respond(route: str, body: BaseModel, t_start: float, engine_s: float, key_id: str, req,
+                gens: list[Generation], prompt_texts: list[str], max_new: int,
+                ids: list[tuple[str, str]]) -> Response:
+        """The response; its completion events and metrics follow once it is sent."""
+        total, headers = timing(t_start, engine_s, gens)
+        gw.emitter.reserve(len(gens))  # counted as pending from now: wait_idle() cannot miss them
+
+        def after() -> None:
+            try:
+                record(key_id, req, gens, prompt_texts, max_new, total, ids, reserved=True)
+                observe(route, total, engine_s)
+            except Exception:  # noqa: BLE001 - the response is out; never lose the others' events over it
+                log.exception("recording a completion after its response failed")
+
+        return _ThenResponse(body.model_dump_json(), headers, after)
 
     def sse(obj: BaseModel | str) -> bytes:
         data = obj if isinstance(obj, str) else obj.model_dump_json(exclude_none=False)
@@ -427,7 +476,7 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
             if state["recorded"] or f.cancelled() or f.exception() is not None:
                 return
             state["recorded"] = True
-            record(key_id, req, f.result(), prompt_texts, max_new, t_start, ids)
+            record(key_id, req, f.result(), prompt_texts, max_new, time.perf_counter() - t_start, ids)
 
         async def events() -> AsyncIterator[bytes]:
             item = first
@@ -461,8 +510,8 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
                         if req.include_usage:
                             out.append(sse(chunks.usage(rid, created, model, usage(gens, prompts))))
                         out.append(sse("[DONE]"))
-                        finish(route, t_start, time.perf_counter() - t_submit)
                         yield b"".join(out)
+                        observe(route, time.perf_counter() - t_start, time.perf_counter() - t_submit)
                         return
                     async with asyncio.timeout_at(deadline):
                         item = await feed.get()
@@ -535,7 +584,7 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         def usage(self, rid, created, model, u):
             return ChatChunk(id=rid, created=created, model=model, choices=[], usage=u)
 
-    @app.post("/v1/completions")
+    @route("/v1/completions", "POST")
     async def completions(request: Request):
         t_start = time.perf_counter()
         route = "/v1/completions"
@@ -545,15 +594,16 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         if req.stream:
             return await stream(key_id, req, route, prompts, texts, req.max_tokens, t_start, CompletionChunks(req))
         gens, engine_s, max_new = await generate(key_id, req, prompts, req.max_tokens)
-        model, ids = record(key_id, req, gens, texts, max_new, t_start)
+        ids = attribution(key_id, len(gens), gens[0].version)
         choices = [CompletionChoice(index=idx, text=g.sample.text, logprobs=completion_logprobs(req, g),
                                     finish_reason=g.sample.finish_reason, completion_id=cid, feedback_token=token)
                    for idx, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True))]
-        body = CompletionResponse(id=CompletionChunks.new_id(), created=int(time.time()), model=model,
-                                  choices=choices, usage=usage(gens, prompts))
-        return _json(body, finish(route, t_start, engine_s))
+        body = CompletionResponse(id=CompletionChunks.new_id(), created=int(time.time()),
+                                  model=f"{gw.model_name}@{gens[0].version}", choices=choices,
+                                  usage=usage(gens, prompts))
+        return respond(route, body, t_start, engine_s, key_id, req, gens, texts, max_new, ids)
 
-    @app.post("/v1/chat/completions")
+    @route("/v1/chat/completions", "POST")
     async def chat_completions(request: Request):
         t_start = time.perf_counter()
         route = "/v1/chat/completions"
@@ -565,15 +615,15 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         if req.stream:
             return await stream(key_id, req, route, prompts, [text], max_tokens, t_start, ChatChunks(req))
         gens, engine_s, max_new = await generate(key_id, req, prompts, max_tokens)
-        model, ids = record(key_id, req, gens, [text], max_new, t_start)
+        ids = attribution(key_id, len(gens), gens[0].version)
         choices = [ChatChoice(index=i, message=AssistantMessage(content=g.sample.text), logprobs=chat_logprobs(req, g),
                               finish_reason=g.sample.finish_reason, completion_id=cid, feedback_token=token)
                    for i, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True))]
-        body = ChatResponse(id=ChatChunks.new_id(), created=int(time.time()), model=model, choices=choices,
-                            usage=usage(gens, prompts))
-        return _json(body, finish(route, t_start, engine_s))
+        body = ChatResponse(id=ChatChunks.new_id(), created=int(time.time()), model=f"{gw.model_name}@{gens[0].version}",
+                            choices=choices, usage=usage(gens, prompts))
+        return respond(route, body, t_start, engine_s, key_id, req, gens, [text], max_new, ids)
 
-    @app.get("/v1/models")
+    @route("/v1/models", "GET")
     async def models(request: Request):
         authenticate(request, "/v1/models")
         now = int(time.time())
@@ -582,7 +632,7 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         m.requests.labels("/v1/models", "200").inc()
         return _json(ModelList(data=cards))
 
-    @app.post("/v1/feedback")
+    @route("/v1/feedback", "POST")
     async def feedback(request: Request):
         key_id = authenticate(request, "/v1/feedback")
         req = _parse(FeedbackRequest, await _read_body(request, s.max_request_bytes))
@@ -603,21 +653,21 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         return _json(FeedbackResponse(completion_id=req.completion_id, version=claims.version,
                                       event_id=event.event_id))
 
-    @app.get("/healthz")
-    async def healthz():
-        return {"status": "ok"}
+    @route("/healthz", "GET")
+    async def healthz(request: Request):
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz")
-    async def readyz():
+    @route("/readyz", "GET")
+    async def readyz(request: Request):
         body: dict[str, Any] = {"versions": gw.engine.versions(), "bus_up": gw.emitter.bus_up,
                                 "events_pending": gw.emitter.pending,
                                 "watcher_error": gw.watcher.last_error}
         if gw.ready:
-            return {"status": "ready", **body}
+            return JSONResponse({"status": "ready", **body})
         return JSONResponse({"status": "not_ready", **body}, status_code=503)
 
-    @app.get("/metrics")
-    async def metrics():
+    @route("/metrics", "GET")
+    async def metrics(request: Request):
         m.engine_queue.set(gw.engine.queue_depth)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 

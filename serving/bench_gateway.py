@@ -1,18 +1,27 @@
 """`rtrl bench gateway`: what the gateway adds on top of the engine, throughput, and hot-swap cost.
 
-Phases (over loopback HTTP with keep-alive `httpx` clients, on temporary keys/bus/spill paths). The
-HTTP clients run in a separate process, as real callers would: in the gateway's own process their
-Python work would compete with the server for the GIL and be counted as gateway overhead.
+Phases (over loopback HTTP, on temporary keys/bus/spill paths). The HTTP clients run in a separate
+process, as real callers would: in the gateway's own process their Python work would compete with the
+server for the GIL and be counted as gateway overhead. The main client is a minimal HTTP/1.1 client
+on a persistent socket (:class:`RawHTTP`: one ``sendall``, headers read line by line, a
+Content-Length body); ``httpx`` is measured beside it, because a general-purpose Python client costs
+~0.5 ms per request of its own on this machine, which is the client's time, not the gateway's.
 
-1. **Overhead, paired.** Sequentially, request *i* is run once directly on the engine
-   (``engine.generate_now``: the same micro-batcher, no HTTP) and once through the gateway with the
-   same prompt, seed and max_tokens (so the same tokens are generated). ``overhead_i`` = gateway
-   latency - direct latency; p50/p99 over i. This includes the HTTP client and server stack.
+1. **Overhead, paired.** Sequentially (concurrency 1 on both sides), request *i* is run directly on
+   the engine (``engine.generate_now``: the same micro-batcher, no HTTP), through the gateway with
+   the raw client and through the gateway with httpx, with the same prompt, seed and max_tokens (so
+   the same tokens are generated), in an order that rotates with *i*. With ``L`` the latency seen by
+   the caller and ``G`` the engine's own generate time for that request (``Generation.engine_ms``;
+   through the gateway its ``x-rtrl-generate-ms`` header), the overhead of pair *i* is
+   ``(L_gw - G_gw) - (L_direct - G_direct)``: the gateway path's latency minus the direct path's,
+   with each call's own compute time taken out. On a shared machine two runs of the same 8-token
+   generation differ by milliseconds, which would otherwise dominate p99 of a difference of two
+   latencies; ``G_gw - G_direct`` is reported too (``generate_diff_*``: ~0 when the gateway does not
+   slow the engine down), and so is the uncorrected ``L_gw - L_direct`` (``overhead_uncorrected_*``).
    ``server_overhead_*`` is the gateway's own time outside the engine as measured inside the
-   handler (auth, parsing, tokenising, token signing, event emit, serialising), from the
-   ``x-rtrl-overhead-ms`` header.
-2. **Throughput.** ``concurrency`` clients for a fixed time: requests/s and latency through the
-   gateway, next to the same load run directly on the engine.
+   handler (auth, parsing, tokenising, token signing, serialising), from ``x-rtrl-overhead-ms``.
+2. **Throughput.** ``concurrency`` raw clients for a fixed time: requests/s and latency through the
+   gateway, next to the same load run directly on the engine (``concurrency`` threads).
 3. **Swaps under load.** ``concurrency`` clients run while the served directory (a symlink) is
    repointed 5 times to differently perturbed weights; the watcher picks each up and swaps between
    batches. Reported: each swap's serving pause (time the engine worker spent installing the new
@@ -71,21 +80,78 @@ def _point(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
+class RawHTTP:
+    """A minimal HTTP/1.1 keep-alive client for JSON POSTs with Content-Length responses."""
+
+    def __init__(self, url: str, key: str, timeout: float = 60.0) -> None:
+        import socket
+
+        host, port = url.split("//", 1)[1].rsplit(":", 1)
+        self.addr, self.timeout = (host, int(port)), timeout
+        self._auth = f"Authorization: Bearer {key}\r\n"
+        self._socket = socket
+        self._sock = None
+
+    def _connect(self) -> None:
+        sock = self._socket.create_connection(self.addr, timeout=self.timeout)
+        sock.setsockopt(self._socket.IPPROTO_TCP, self._socket.TCP_NODELAY, 1)
+        self._sock, self._file = sock, sock.makefile("rb")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._file.close()
+            self._sock.close()
+            self._sock = None
+
+    def post(self, path: str, body: dict) -> tuple[int, dict[str, str], bytes]:
+        data = json.dumps(body).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: bench\r\n{self._auth}Content-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        if self._sock is None:
+            self._connect()
+        try:
+            self._sock.sendall(head + data)
+            status_line = self._file.readline()
+            if not status_line:
+                raise ConnectionError("server closed the connection")
+            status = int(status_line.split()[1])
+            headers = {}
+            while True:
+                line = self._file.readline()
+                if line in (b"\r\n", b""):
+                    break
+                k, _, v = line.decode("latin-1").partition(":")
+                headers[k.strip().lower()] = v.strip()
+            payload = self._file.read(int(headers.get("content-length", "0")))
+        except BaseException:
+            self.close()
+            raise
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return status, headers, payload
+
+
 def _client_main(url: str, key: str, conn) -> None:
     """The load-generating process: answers commands from the benchmark over a pipe."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {key}"}
-    with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+    raw = RawHTTP(url, key)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
         while True:
             cmd = conn.recv()
             if cmd[0] == "exit":
+                raw.close()
                 return
-            if cmd[0] == "one":
+            if cmd[0] in ("raw", "httpx"):
                 t0 = time.perf_counter()
-                r = http.post("/v1/completions", json=cmd[1])
+                if cmd[0] == "raw":
+                    status, headers, _ = raw.post("/v1/completions", cmd[1])
+                else:
+                    r = http.post("/v1/completions", json=cmd[1])
+                    status, headers = r.status_code, r.headers
                 ms = (time.perf_counter() - t0) * 1000
-                conn.send((r.status_code, ms, float(r.headers.get("x-rtrl-overhead-ms", "nan"))))
+                conn.send((status, ms, float(headers.get("x-rtrl-generate-ms", "nan")),
+                           float(headers.get("x-rtrl-overhead-ms", "nan"))))
                 continue
             _, body, seconds, concurrency = cmd  # "load": for `seconds`, or until "stop" if None
             stop = threading.Event()
@@ -93,20 +159,21 @@ def _client_main(url: str, key: str, conn) -> None:
             errors: list[str] = []
 
             def worker(w: int, body=body, stop=stop, lat=lat, errors=errors) -> None:
-                with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
-                    i = 0
-                    while not stop.is_set():
-                        i += 1
-                        t0 = time.perf_counter()
-                        try:
-                            r = c.post("/v1/completions", json={**body, "seed": w * 1_000_000 + i})
-                            ok, why = r.status_code == 200, f"status {r.status_code}"
-                        except Exception as err:  # noqa: BLE001 - every failure is counted
-                            ok, why = False, repr(err)
-                        if ok:
-                            lat.append((time.perf_counter() - t0) * 1000)
-                        else:
-                            errors.append(why)
+                c = RawHTTP(url, key)
+                i = 0
+                while not stop.is_set():
+                    i += 1
+                    t0 = time.perf_counter()
+                    try:
+                        status, _, _ = c.post("/v1/completions", {**body, "seed": w * 1_000_000 + i})
+                        ok, why = status == 200, f"status {status}"
+                    except Exception as err:  # noqa: BLE001 - every failure is counted
+                        ok, why = False, repr(err)
+                    if ok:
+                        lat.append((time.perf_counter() - t0) * 1000)
+                    else:
+                        errors.append(why)
+                c.close()
 
             threads = [threading.Thread(target=worker, args=(w,)) for w in range(concurrency)]
             t0 = time.perf_counter()
@@ -163,8 +230,10 @@ def run(settings, quick: bool, log) -> dict:
         def body(seed: int) -> dict:
             return {"model": s.model.name, "prompt": PROMPT, "max_tokens": max_tokens, "seed": seed}
 
-        def direct(seed: int) -> None:
-            engine.generate_now([ids], [SamplingParams(max_new_tokens=max_tokens, seed=seed)], timeout=60)
+        def direct(seed: int) -> float:
+            """The engine's own generate time (ms) of this request."""
+            gens = engine.generate_now([ids], [SamplingParams(max_new_tokens=max_tokens, seed=seed)], timeout=60)
+            return gens[0].engine_ms
 
         try:
             import multiprocessing
@@ -174,25 +243,46 @@ def run(settings, quick: bool, log) -> dict:
             client = ctx.Process(target=_client_main, args=(server.url, key, child_conn), daemon=True)
             client.start()
             try:
-                # 1. Paired overhead.
-                overhead, server_side, direct_ms, gateway_ms = [], [], [], []
-                for i in range(5):  # warm up both paths
-                    direct(i)
-                    parent_conn.send(("one", body(i)))
-                    parent_conn.recv()
-                for i in tqdm(range(n_paired), desc="paired overhead", disable=None):
-                    t0 = time.perf_counter()
-                    direct(10_000 + i)
-                    direct_ms.append((time.perf_counter() - t0) * 1000)
-                    parent_conn.send(("one", body(10_000 + i)))
-                    status, ms, server_ms = parent_conn.recv()
+                # 1. Paired overhead: direct, raw client, httpx client, in an order that rotates with i.
+                def one(kind: str, seed: int) -> tuple[float, float, float]:
+                    """(latency ms, engine generate ms, in-handler overhead ms)."""
+                    if kind == "direct":
+                        t0 = time.perf_counter()
+                        gen = direct(seed)
+                        return (time.perf_counter() - t0) * 1000, gen, float("nan")
+                    parent_conn.send((kind, body(seed)))
+                    status, ms, gen, server_ms = parent_conn.recv()
                     if status != 200:
                         raise RuntimeError(f"gateway answered {status} in the overhead phase")
-                    gateway_ms.append(ms)
-                    overhead.append(ms - direct_ms[-1])
-                    server_side.append(server_ms)
-                log(f"overhead p50 {_pct(overhead, .5):.2f} ms (server-side {_pct(server_side, .5):.3f} ms); "
-                    f"direct p50 {_pct(direct_ms, .5):.1f} ms")
+                    return ms, gen, server_ms
+
+                kinds = ("direct", "raw", "httpx")
+                for i in range(5):  # warm up every path
+                    for k in kinds:
+                        one(k, i)
+                paired: dict[str, list[float]] = {k: [] for k in kinds}
+                over: dict[str, list[float]] = {"raw": [], "httpx": []}
+                uncorrected: dict[str, list[float]] = {"raw": [], "httpx": []}
+                gen_diff: list[float] = []
+                server_side: list[float] = []
+                for i in tqdm(range(n_paired), desc="paired overhead", disable=None):
+                    seed = 10_000 + i
+                    got = {}
+                    for k in kinds[i % 3:] + kinds[:i % 3]:
+                        got[k] = one(k, seed)
+                        paired[k].append(got[k][0])
+                    d_ms, d_gen, _ = got["direct"]
+                    for k in ("raw", "httpx"):
+                        ms, gen, _ = got[k]
+                        over[k].append((ms - gen) - (d_ms - d_gen))
+                        uncorrected[k].append(ms - d_ms)
+                    gen_diff.append(got["raw"][1] - d_gen)
+                    server_side.append(got["raw"][2])
+                overhead = over["raw"]
+                log(f"overhead p50 {_pct(overhead, .5):.3f} ms, p99 {_pct(overhead, .99):.3f} ms (httpx client: p50 "
+                    f"{_pct(over['httpx'], .5):.3f}, p99 {_pct(over['httpx'], .99):.3f}; uncorrected p50 "
+                    f"{_pct(uncorrected['raw'], .5):.3f}, p99 {_pct(uncorrected['raw'], .99):.3f}; in-handler p50 "
+                    f"{_pct(server_side, .5):.3f}); direct p50 {_pct(paired['direct'], .5):.1f} ms")
 
                 # 2. Throughput: gateway (clients in the other process), then the engine directly.
                 results = {}
@@ -258,14 +348,26 @@ def run(settings, quick: bool, log) -> dict:
             "max_tokens": max_tokens,
             "batch_window_ms": s.serving.batch_window_ms,
             "paired_requests": n_paired,
+            "overhead_method": "paired, concurrency 1, raw keep-alive HTTP/1.1 client; per pair "
+                               "(L_gw - G_gw) - (L_direct - G_direct), G = the engine's generate time",
             "overhead_p50_ms": round(_pct(overhead, .5), 3),
             "overhead_p99_ms": round(_pct(overhead, .99), 3),
             "overhead_mean_ms": round(statistics.fmean(overhead), 3),
+            "overhead_uncorrected_p50_ms": round(_pct(uncorrected["raw"], .5), 3),
+            "overhead_uncorrected_p99_ms": round(_pct(uncorrected["raw"], .99), 3),
+            "overhead_httpx_p50_ms": round(_pct(over["httpx"], .5), 3),
+            "overhead_httpx_p99_ms": round(_pct(over["httpx"], .99), 3),
+            "overhead_httpx_uncorrected_p50_ms": round(_pct(uncorrected["httpx"], .5), 3),
+            "overhead_httpx_uncorrected_p99_ms": round(_pct(uncorrected["httpx"], .99), 3),
+            "generate_diff_p50_ms": round(_pct(gen_diff, .5), 3),
+            "generate_diff_mean_ms": round(statistics.fmean(gen_diff), 3),
             "server_overhead_p50_ms": round(_pct(server_side, .5), 3),
             "server_overhead_p99_ms": round(_pct(server_side, .99), 3),
-            "direct_latency_p50_ms": round(_pct(direct_ms, .5), 2),
-            "gateway_latency_p50_ms": round(_pct(gateway_ms, .5), 2),
+            "direct_latency_p50_ms": round(_pct(paired["direct"], .5), 2),
+            "gateway_latency_p50_ms": round(_pct(paired["raw"], .5), 2),
+            "gateway_httpx_latency_p50_ms": round(_pct(paired["httpx"], .5), 2),
             "concurrency": concurrency,
+            "load_client": "raw keep-alive HTTP/1.1, one connection per client thread",
             "rps": round(results["gateway"]["rps"], 1),
             "rps_direct": round(results["direct"]["rps"], 1),
             "latency_p50_ms": round(results["gateway"]["p50"], 2),

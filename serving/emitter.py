@@ -56,13 +56,15 @@ class EventEmitter:
         self._stop = threading.Event()
         self._idle = threading.Event()
         self.bus_up = False
+        self._reserved = 0  # events promised by responses already sent, emitted right after (see reserve)
+        self._reserved_lock = threading.Lock()  # never the spill lock: a replay holds that one for long
         self.sent = 0
         self.replayed = 0
         self.corrupt_spill_lines = 0
         self._thread = threading.Thread(target=self._loop, name="event-emitter", daemon=True)
 
     # -- producer side (request threads) ----------------------------------------------------------
-    def emit(self, event: Event) -> None:
+    def emit(self, event: Event, reserved: bool = False) -> None:
         """Never blocks on the bus, never raises for a bus problem."""
         item = (event.completion_id.encode(), event.to_bytes())
         self._idle.clear()
@@ -70,14 +72,29 @@ class EventEmitter:
             self._queue.put_nowait(item)
         except queue.Full:
             self._spill([item])
+        finally:
+            if reserved:
+                self._settle_reserved()
         if self.metrics is not None:
             self.metrics.events.labels(event.type).inc()
             self.metrics.event_queue.set(self._queue.qsize())
 
+    def reserve(self, n: int = 1) -> None:
+        """Announce ``n`` events that will be emitted shortly (after a response is sent), so that
+        :attr:`pending` and :meth:`wait_idle` count them from now on. Each :meth:`emit` with
+        ``reserved=True`` settles one."""
+        self._idle.clear()
+        with self._reserved_lock:
+            self._reserved += n
+
+    def _settle_reserved(self) -> None:
+        with self._reserved_lock:
+            self._reserved = max(0, self._reserved - 1)
+
     @property
     def pending(self) -> int:
-        """Events not yet acknowledged by the bus (queued + spilled)."""
-        return self._queue.qsize() + self._spilled
+        """Events not yet acknowledged by the bus (reserved + queued + spilled)."""
+        return self._reserved + self._queue.qsize() + self._spilled
 
     def start(self) -> None:
         self._thread.start()
