@@ -84,6 +84,11 @@ class _Batch:
     plan: BatchPlan
 
 
+def _first_batch(cfg) -> int:
+    """Records in a batch taken while no transaction is in flight (see ``Ingester.run``)."""
+    return max(1, cfg.batch_max_records // 5)
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -299,8 +304,9 @@ class Ingester:
         Pipelined: while one batch's transaction runs on a helper thread (the database works, the
         GIL is free), the next batch is polled and decoded. A batch is only submitted after the
         previous one committed, so transactions never overlap and a failure discards what was read
-        ahead (the bus is rewound to the committed positions). Outages of the bus or the database
-        are waited out, ``retry_backoff_s`` between tries.
+        ahead (the bus is rewound to the committed positions). The first batch after the pipeline
+        ran empty is a fifth of ``batch_max_records``, so that the database starts sooner. Outages of
+        the bus or the database are waited out, ``retry_backoff_s`` between tries.
         """
         stop = stop_event or threading.Event()
         idle_since = last_log = time.monotonic()
@@ -314,7 +320,10 @@ class Ingester:
                         self._attach()
                     assert self.positions is not None
                     floor = inflight[1].after if inflight is not None else self.positions
-                    records = self._gather(self.cfg.batch_max_records, floor)
+                    # With no transaction in flight the database idles until this batch is decoded:
+                    # start it on a smaller one (at start-up, after an idle spell or a failure).
+                    limit = self.cfg.batch_max_records if inflight is not None else _first_batch(self.cfg)
+                    records = self._gather(limit, floor)
                     batch = self._prepare(records, floor) if records else None
                     if inflight is not None:
                         done, inflight = inflight[0], None
