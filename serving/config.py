@@ -30,7 +30,9 @@ class ServingSettings(Section):
                                         "(bus.versions_topic) and poll at once when one arrives.")
     canary_share: float = Field(0.0, ge=0, le=1, description="Share of callers (stable hash of the key id) "
                                 "routed to the `candidate` channel when one is set. The vLLM engine runs a second "
-                                "vllm.LLM for it (its own KV cache of vllm_kv_cache_bytes).")
+                                "vllm.LLM for it (its own KV cache of vllm_kv_cache_bytes; on GPU each "
+                                "instance gets half of vllm_gpu_memory_utilization) and loads no "
+                                "candidate while this is 0.")
     candidate_dir: str | None = Field(None, description="With source=dir: an HF directory served as the "
                                       "candidate version to the canary share of callers.")
 

@@ -188,16 +188,25 @@ def test_vllm_streams_incrementally(vllm_server):
     non-streamed text for the same seed."""
     c = _client(vllm_server)
     for seed in range(20):
-        plain = c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=150, seed=seed)
+        plain = c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=150, seed=seed, temperature=0.9)
         if plain.choices[0].finish_reason == "length":
             break
     t0 = time.perf_counter()
-    arrivals, pieces = [], []
-    for chunk in c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=150, seed=seed, stream=True):
+    arrivals, pieces, cids = [], [], set()
+    for chunk in c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=150, seed=seed, stream=True,
+                                      temperature=0.9):
+        if chunk.choices:
+            cids.add(chunk.choices[0].model_extra["completion_id"])
         if chunk.choices and chunk.choices[0].text:
             arrivals.append(time.perf_counter() - t0)
             pieces.append(chunk.choices[0].text)
-    assert "".join(pieces) == plain.choices[0].text
+    again = c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=150, seed=seed, temperature=0.9)
+    assert "".join(pieces) == again.choices[0].text
+    # The streamed completion's event has every token with both kinds of log-prob.
+    (cid,) = cids
+    (ev,) = _events(vllm_server, [cid]).values()
+    assert ev.completion == again.choices[0].text
+    assert len(ev.completion_token_ids) == len(ev.logprobs) == len(ev.sampling_logprobs) >= 10
     assert len(pieces) >= 10
     # 150 decoding steps: the first text comes after a few of them, the last after all of them. A stream
     # sent only once generation was done would have all its chunks within a few milliseconds.

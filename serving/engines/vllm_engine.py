@@ -6,9 +6,13 @@ together; this engine adds them to the channel's ``LLMEngine`` and drives ``step
 (``RequestOutputKind.DELTA``) and answer each request as soon as its rows finish. Non-streaming
 batches ask for final outputs only (no per-step output objects).
 
-Channels. ``production`` and, when a candidate is set, ``candidate`` each have their own ``LLM``
-(weights + its own KV cache of ``serving.vllm_kv_cache_bytes``), so a canary share of callers can be
-served a second version. The candidate's ``LLM`` is created on the first candidate load, in the
+Channels. ``production`` and, when ``serving.canary_share > 0`` and a candidate is set, ``candidate``
+each have their own ``LLM`` (weights + its own KV cache of ``serving.vllm_kv_cache_bytes``), so a
+canary share of callers can be served a second version. With ``canary_share = 0`` the candidate
+channel is not loaded at all (no second engine for a version nobody is routed to; ``name@version``
+pins only reach production then). On CUDA each ``LLM`` gets half of
+``serving.vllm_gpu_memory_utilization`` when a canary is configured, so that both fit (not run
+here: no GPU). The candidate's ``LLM`` is created on the first candidate load, in the
 engine thread (vLLM's forward context is process-global: building an engine in another thread while
 one generates breaks the running one), which pauses serving once for the engine start-up (about
 0.4 s on CPU with the tiny model; the first ``LLM`` of a process takes seconds). It is then kept,
@@ -97,9 +101,9 @@ def needs_raw_pass(p: SamplingParams) -> bool:
 
 class VLLMEngine(Engine):
     name = "vllm"
-    supports_candidate = True
 
     def __init__(self, settings, metrics=None) -> None:
+        self.supports_candidate = settings.serving.canary_share > 0
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self._llms: dict[str, Any] = {}  # channel -> vllm.LLM (kept when a channel is dropped)
@@ -153,7 +157,7 @@ class VLLMEngine(Engine):
         if ctx:
             kwargs["max_model_len"] = ctx
         if m.device.startswith("cuda"):
-            kwargs["gpu_memory_utilization"] = s.vllm_gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = s.vllm_gpu_memory_utilization / (2 if self.supports_candidate else 1)
         llm = LLM(**kwargs)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(ref.model_dir)
