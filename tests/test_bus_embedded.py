@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from realtime_rl.bus import BusUnavailable, open_consumer, open_producer
-from realtime_rl.bus.embedded import kafka_partition
+from realtime_rl.bus.embedded import kafka_partition, murmur2
 from realtime_rl.config import BusSettings
 
 
@@ -50,6 +50,16 @@ def test_keyed_messages_keep_order_per_partition_like_kafka(tmp_path: Path) -> N
     for r in sorted(records, key=lambda r: (r.partition, r.offset)):
         per_key[r.key].append(int(r.value))
     assert all(values == sorted(values) for values in per_key.values())
+
+
+def test_murmur2_is_kafka_pythons() -> None:
+    import random
+
+    from kafka.partitioner.default import murmur2 as kafka_murmur2
+
+    rng = random.Random(7)
+    keys = [rng.randbytes(n) for n in range(40) for _ in range(50)] + [b"c7-0012345", "ü-🙂".encode()]
+    assert [murmur2(k) for k in keys] == [kafka_murmur2(k) for k in keys]
 
 
 def test_linger_writes_without_an_explicit_flush(tmp_path: Path) -> None:
