@@ -52,14 +52,19 @@ def test_keyed_messages_keep_order_per_partition_like_kafka(tmp_path: Path) -> N
     assert all(values == sorted(values) for values in per_key.values())
 
 
-def test_murmur2_is_kafka_pythons() -> None:
+def test_murmur2_and_partitions_are_kafka_pythons() -> None:
     import random
 
+    from kafka.partitioner.default import DefaultPartitioner
     from kafka.partitioner.default import murmur2 as kafka_murmur2
 
     rng = random.Random(7)
     keys = [rng.randbytes(n) for n in range(40) for _ in range(50)] + [b"c7-0012345", "ü-🙂".encode()]
     assert [murmur2(k) for k in keys] == [kafka_murmur2(k) for k in keys]
+    # Both buses place keyed messages themselves, where kafka-python's default partitioner would.
+    for n in (1, 3, 4, 7):
+        parts = list(range(n))
+        assert [kafka_partition(k, n) for k in keys] == [DefaultPartitioner()(k, parts, parts) for k in keys]
 
 
 def test_linger_writes_without_an_explicit_flush(tmp_path: Path) -> None:

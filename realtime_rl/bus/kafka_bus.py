@@ -27,6 +27,7 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from realtime_rl.bus.base import BusConsumer, BusProducer, BusUnavailable, Record
+from realtime_rl.bus.embedded import kafka_partition
 from realtime_rl.config import BusSettings
 
 
@@ -116,7 +117,10 @@ class KafkaBusProducer(BusProducer):
         self._topics.ensure(topic)
         producer = self._client()
         try:
-            future = producer.send(topic, value=value, key=key)
+            # Keyed: the partition kafka-python's default partitioner would pick, by the faster
+            # murmur2 the embedded bus uses (~10% of a send's CPU); unkeyed: left to kafka-python.
+            partition = None if key is None else kafka_partition(key, len(producer.partitions_for(topic)))
+            future = producer.send(topic, value=value, key=key, partition=partition)
         except (KafkaError, OSError) as err:
             raise BusUnavailable(f"Kafka send to {topic!r} failed: {err}") from err
         with self._lock:
