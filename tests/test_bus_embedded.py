@@ -63,8 +63,17 @@ def test_murmur2_and_partitions_are_kafka_pythons() -> None:
     assert [murmur2(k) for k in keys] == [kafka_murmur2(k) for k in keys]
     # Both buses place keyed messages themselves, where kafka-python's default partitioner would.
     for n in (1, 3, 4, 7):
-        parts = list(range(n))
-        assert [kafka_partition(k, n) for k in keys] == [DefaultPartitioner()(k, parts, parts) for k in keys]
+        class Cluster:
+            def topics(self):
+                return {"t"}
+
+            def partitions_for_topic(self, topic):
+                return set(range(n))  # noqa: B023 (used within this iteration)
+
+            available_partitions_for_topic = partitions_for_topic
+
+        expected = [DefaultPartitioner().partition("t", k, k, b"", b"", Cluster()) for k in keys]
+        assert [kafka_partition(k, n) for k in keys] == expected
 
 
 def test_linger_writes_without_an_explicit_flush(tmp_path: Path) -> None:
