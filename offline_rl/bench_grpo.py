@@ -6,13 +6,15 @@ first gets a short supervised warm-up (mid-training) so that rewards vary within
 sides do a backward pass on (nearly) every batch; the reward keeps its shaping parts ungated
 (``require_pass = False``) for the same reason. TRL runs with ``bf16=False`` and gradient
 checkpointing off (ours does not checkpoint either); generation stops at the newline token on both
-sides. sec/step is the steady state: the first step (worker start-up, first forward) is excluded.
+sides. Both train the same parameters (``grpo.trainable``). sec/step is the steady state: the first
+step (worker start-up, first forward) is excluded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +71,11 @@ def _trl(settings: Settings, init_dir: Path, work: Path, steps: int, log) -> dic
 
     policy = load_policy(init_dir)
     tok = policy.tokenizer
+    # The same trainable subset as ours (grpo.trainable): TRL's optimizer takes only parameters that
+    # require a gradient, and the backward pass skips the frozen weights' gradients on both sides.
+    pattern = re.compile(settings.grpo.trainable)
+    for name, param in policy.model.named_parameters():
+        param.requires_grad_(bool(pattern.search(name)))
     newline = tok("\n", add_special_tokens=False)["input_ids"]
     split = load_task_split(settings)
     by_prompt = {t.prompt: t for t in split.train}
@@ -164,5 +171,6 @@ def run(settings: Settings, quick: bool, log) -> dict[str, Any]:
         "ours_updated_fraction": round(min(sync["updated_fraction"], asyn["updated_fraction"]), 3),
         "shape": {"prompts": PROMPTS, "samples": GROUP, "max_new_tokens": MAX_TOKENS},
         "steps": {"sync": sync["steps"], "async": asyn["steps"], "trl": trl["steps"]},
-        "rollout_workers": 1, "trl_gradient_checkpointing": False, "dtype": "float32", "quick": quick,
+        "rollout_workers": 1, "trainable": settings.grpo.trainable, "trl_gradient_checkpointing": False,
+        "dtype": "float32", "quick": quick,
     }

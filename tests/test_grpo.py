@@ -170,3 +170,17 @@ def test_first_checkpoint_over_the_gate_is_published_and_a_failing_one_never(tin
     info = reg.info(passing.published_version)
     assert info.stage == "offline" and "heldout_pass_at_1" in info.metrics
     assert reg.channel("production") == passing.published_version
+
+
+def test_trainable_subset_is_the_only_thing_that_moves(tiny_model_dir, tmp_path):
+    trainer = GRPOTrainer(make_settings(tmp_path, trainable="norm", lr=1e-2), tiny_model_dir)
+    trajs = batch(trainer.tokenizer, [1.0, 0.0, 0.2, 0.9])
+    fill_behaviour(trainer, trajs, lambda i, j: 0.0)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert trainer.train_on(trajs)["updated"]
+    after = trainer.model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all("norm" in k for k in moved)
+    assert trainer.n_trainable == sum(v.numel() for k, v in before.items() if "norm" in k)
+    with pytest.raises(ValueError, match="matches no parameter"):
+        GRPOTrainer(make_settings(tmp_path, trainable="no_such_weight"), tiny_model_dir)

@@ -1,8 +1,9 @@
 """Direction of learning on a reduced budget: GRPO raises the share of hidden tests passed.
 
 Four max/min tasks (dense partial credit: ``max(x,4)`` and ``max(x,5)`` agree on most inputs),
-evaluated before and after on the same prompts. Full held-out pass@1 moving over the gate takes
-minutes and is shown by the calibration run (`rtrl midtrain` then `rtrl grpo`), not here.
+evaluated before and after on the same prompts. Held-out pass@1 over the gate with the default
+settings is shown by the demo test (`rtrl demo --fast`: mid-training stops below the gate, GRPO
+publishes the first evaluation at or over it) and by `rtrl midtrain` then `rtrl grpo`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ def test_grpo_raises_the_hidden_test_pass_rate(warm_model_dir, tmp_path):  # noq
     s.tasks.jsonl = str(tmp_path / "tasks.jsonl")
     g = s.grpo
     g.out_dir, g.mode, g.steps, g.prompts_per_step, g.group_size = str(tmp_path / "run"), "sync", 24, 4, 8
-    g.lr, g.eval_every, g.warmup_steps, g.max_new_tokens, g.publish = 2e-3, 0, 0, 10, False
+    g.lr, g.eval_every, g.warmup_steps, g.max_new_tokens, g.publish = 5e-4, 0, 0, 10, False
+    # All parameters: on fixed prompts they learn fastest (the default is tuned for fresh ones). At 2e-3
+    # the run was at the edge of collapse and passed or failed with the thread count; 5e-4 measured
+    # hidden-test share 0.10 -> 0.49 over the run and 0.03 -> 0.55 on the evaluation.
+    g.trainable = "."
     s.eval.samples, s.eval.k = 16, [1]
     res = run_grpo(s, warm_model_dir, progress=False, resume=False)
     recs = [json.loads(line) for line in res.metrics_path.read_text().splitlines()]
