@@ -209,7 +209,8 @@ class Ingester:
         return _Batch(before, after, decoded, plan_batch(decoded, self.engine.dialect, use_copy=self.cfg.staged_writes))
 
     def _apply(self, batch: _Batch) -> None:
-        """One transaction: advance the offsets from ``batch.before`` to ``batch.after``, write the rows.
+        """One transaction: advance the offsets from ``batch.before`` to ``batch.after``, write the rows
+        (a second one, record by record, if the database refused a record in the first).
 
         Never touches the bus consumer (it may run on the commit thread while the main thread polls).
         """
