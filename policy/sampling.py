@@ -10,7 +10,8 @@ For every sampled token two log-probs are returned:
 Rows may carry different sampling parameters (the serving engine batches concurrent requests), so
 temperature / top-k / top-p / seed are applied per row. Finished rows are dropped from the batch and
 the KV cache as they finish. Prompts are left-padded; position ids count real tokens only, which is
-what makes the teacher-forced recompute in :mod:`policy.logprobs` agree with these numbers.
+what makes the teacher-forced recompute in :mod:`policy.logprobs` agree with these numbers. Rows
+that share a prompt share its prefill (one forward per distinct prompt, the KV cache copied).
 
 Streaming hooks (both optional; nothing extra is computed when they are None):
 
@@ -147,12 +148,31 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
         if on_finish is not None:
             on_finish(row, samples[row])
     step_ids, step_pos = input_ids, position_ids
+    # Rows with the same prompt (GRPO groups, n > 1) share one prefill: the distinct prompts run
+    # once and their KV cache is copied to every row that shares them.
+    distinct: dict[tuple[int, ...], int] = {}
+    row_prompt: list[int] = []
+    first_rows: list[int] = []  # a row holding each distinct prompt, in order of appearance
+    for r, ids in enumerate(prompt_ids):
+        if tuple(ids) not in distinct:
+            distinct[tuple(ids)] = len(first_rows)
+            first_rows.append(r)
+        row_prompt.append(distinct[tuple(ids)])
 
-    for _ in range(int(budget.max())):
-        out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                    past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        logits = out.logits[:, -1, :].float()
+    for step in range(int(budget.max())):
+        if step == 0 and len(distinct) < B:
+            rep = torch.tensor(first_rows, device=device)
+            out = model(input_ids=input_ids[rep], attention_mask=attn[rep], position_ids=position_ids[rep],
+                        use_cache=True)
+            copy = torch.tensor(row_prompt, device=device)
+            cache = out.past_key_values
+            cache.batch_select_indices(copy)
+            logits = out.logits[copy, -1, :].float()
+        else:
+            out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                        past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()
         raw_logp = logits.log_softmax(-1)
         idx = torch.tensor(active, device=device)
         filt = _filtered_logits(logits, temperature[idx], top_k[idx], top_p[idx])

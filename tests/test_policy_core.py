@@ -119,6 +119,21 @@ def test_shared_prompt_recompute_equals_the_plain_layout_values_and_gradients(ti
     assert g_plain.abs().max().item() > 0
 
 
+def test_rows_sharing_a_prompt_share_its_prefill_and_sample_the_same(policy):
+    # GRPO groups: 4 rows per prompt. One prefill per distinct prompt, KV copied, must sample exactly
+    # what each row samples on its own with the same seed.
+    tok = policy.tokenizer
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS for _ in range(4)]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=12, stop=["\n"], seed=i) for i in range(len(ids))]
+    kw = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "decode": tok.decode}
+    together = generate_ids(policy.model, ids, params, **kw)
+    alone = [generate_ids(policy.model, [x], [p], **kw)[0] for x, p in zip(ids, params, strict=True)]
+    assert len({tuple(s.token_ids) for s in together}) > 1
+    for a, b in zip(together, alone, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0.0) < 1e-4
+
+
 def test_sampling_logprobs_follow_the_distribution_used(policy):
     plain = generate(policy.model, policy.tokenizer, PROMPTS[:1], SamplingParams(n=2, max_new_tokens=6, seed=5))
     for s in plain[0]:
