@@ -15,7 +15,8 @@ Also reported: the producer's own rate, ``backlog_events_per_s`` / ``backlog_cei
 for the cores), and CPU microseconds per event of the backlog runs (consumer-only pass, ingester
 process, PostgreSQL server processes read from /proc): wall-clock rates on a shared machine move
 with its load, CPU per event much less. Kafka is the broker in ``bus.*`` when ``bus.backend = "kafka"``, else a local Tansu
-broker; PostgreSQL is a temporary database on ``RTRL_BENCH_PG_ADMIN_URL`` (default: the local server).
+broker; PostgreSQL is a temporary database on ``BENCH_PG_ADMIN_URL`` (default: the local server;
+not ``RTRL_``-prefixed, because the settings loader refuses unknown ``RTRL_*`` variables).
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print) -> di
     mean_bytes = sum(len(v) for _, v in stream.messages) / n
     log(f"ingest bench: {n} events per run ({mean_bytes:.0f} B mean; {len(stream.completions)} completions, "
         f"{len(stream.feedback)} feedback)")
-    pg_admin = os.environ.get("RTRL_BENCH_PG_ADMIN_URL", devservices.DEFAULT_PG_ADMIN_URL)
+    pg_admin = os.environ.get("BENCH_PG_ADMIN_URL", devservices.DEFAULT_PG_ADMIN_URL)
     results = []
     with ExitStack() as stack:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rtrl-bench-ingest-")))
