@@ -1,0 +1,27 @@
+"""`rtrl bench grpo --quick --json` runs ours (sync, async with 1 and 2 workers) and TRL's GRPOTrainer
+and ends with one JSON line holding the issue's keys. Speed is the benchmark's business, not asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_quick_bench_prints_the_comparison(tmp_path, tiny_model_dir):
+    env = {"RTRL_VAR_DIR": str(tmp_path / "var"), "RTRL_MODEL__DIR": str(tiny_model_dir), "HF_HUB_OFFLINE": "1",
+           "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "rtrl", "bench", "grpo", "--quick", "--json"], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("ours_sync_sec_per_step", "ours_async_sec_per_step", "trl_sec_per_step", "ratio_vs_trl",
+                "async_over_sync", "threads"):
+        assert key in out, key
+    assert out["bench"] == "grpo" and out["trainable"] == "norm"
+    assert set(out["async_sec_per_step_by_workers"]) == {"1", "2"}
+    assert out["ours_async_sec_per_step"] == min(out["async_sec_per_step_by_workers"].values())
+    best = min(out["ours_sync_sec_per_step"], out["ours_async_sec_per_step"])
+    assert abs(out["ratio_vs_trl"] - out["trl_sec_per_step"] / best) < 0.01 * out["ratio_vs_trl"]
+    assert out["async_mean_staleness"] <= out["rollout_workers"]
+    assert out["steps"]["trl"] >= 3 and out["ours_updated_fraction"] > 0
