@@ -2,8 +2,9 @@
 
 Gate (all must hold, every number is recorded):
 
-1. offline: the candidate's held-out pass@1 >= ``eval.gate_threshold`` and >= production's − ε
-   (``release.offline_epsilon``), both measured by the same evaluator with the same seed;
+1. offline: the candidate's held-out pass@1 >= ``eval.gate_threshold`` − τ (``release.gate_tolerance``,
+   the evaluator's noise) and >= production's − ε (``release.offline_epsilon``), both measured by
+   the same evaluator with the same seed;
 2. off-policy: the SNIPS (or clipped-IPS) estimate of the candidate's accept rate on held-out logged
    feedback served by production (candidate log-probs recomputed, behaviour = logged) is not below
    production's realised accept rate on those same examples (minus ``ope_margin``; optionally the
@@ -107,9 +108,14 @@ def evaluate_gate(settings, *, candidate_model, production_model, heldout: Seque
     checks: dict[str, bool] = {}
     cand_pass = evaluator(candidate_model)
     prod_pass = evaluator(production_model)
-    checks["offline_gate"] = cand_pass >= settings.eval.gate_threshold
+    # The offline stage admitted production with a precise evaluation just over the gate; this one
+    # (fewer samples, another seed) measures the same weights a few hundredths lower or higher, so the
+    # floor allows for that noise and the paired ε check below guards against real regressions.
+    floor = settings.eval.gate_threshold - g.gate_tolerance
+    checks["offline_gate"] = cand_pass >= floor
     if not checks["offline_gate"]:
-        reasons.append(f"offline pass@1 {cand_pass:.3f} < gate {settings.eval.gate_threshold:.3f}")
+        reasons.append(f"offline pass@1 {cand_pass:.3f} < gate {settings.eval.gate_threshold:.3f} "
+                       f"- tolerance {g.gate_tolerance:.3f}")
     checks["offline_regression"] = cand_pass >= prod_pass - g.offline_epsilon
     if not checks["offline_regression"]:
         reasons.append(f"offline pass@1 {cand_pass:.3f} is more than ε={g.offline_epsilon} below "

@@ -137,3 +137,22 @@ def test_cycle_on_postgres(tmp_path, postgres_url, tiny_model_dir):
     finally:
         engine.dispose()
     assert run_update_cycle(w.settings, log=_quiet).status == "skipped"
+
+
+@pytest.mark.parametrize(("cand", "prod", "gate_ok", "regression_ok"), [
+    (0.47, 0.48, True, True),    # within the evaluator's noise below the 0.5 gate: admitted
+    (0.44, 0.45, False, True),   # more than the tolerance below the gate: refused
+    (0.47, 0.52, True, False),   # over the floor but a real regression from production: refused
+])
+def test_offline_gate_floor_allows_for_evaluator_noise_only(cand, prod, gate_ok, regression_ok):
+    from realtime_rl.release import evaluate_gate
+    from rtrl.config import load_settings
+
+    s = load_settings()
+    s.eval.gate_threshold, s.release.gate_tolerance, s.release.offline_epsilon = 0.5, 0.05, 0.03
+    scores = {"candidate": cand, "production": prod}
+    report = evaluate_gate(s, candidate_model="candidate", production_model="production", heldout=[],
+                           production="p", evaluator=scores.__getitem__)
+    assert report.checks["offline_gate"] is gate_ok
+    assert report.checks["offline_regression"] is regression_ok
+    assert not report.passed  # no held-out logged feedback: the off-policy check cannot pass
