@@ -42,6 +42,7 @@ from realtime_rl.ingest_plan import (
     FEEDBACK_COLUMNS,
     PG_COPY_TYPES,
     BatchPlan,
+    pg_rows,
     plan_batch,
     sqlite_timestamp,
     utc,
@@ -129,7 +130,7 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
         if copied is not None:
             new_completion_ids = copied[0]
         elif plan.staging == "postgresql":
-            new_completion_ids = _pg_stage_insert(conn, "completions", plan.completion_rows, now)
+            new_completion_ids = _pg_stage_insert(conn, "completions", list(pg_rows(plan, "completions")), now)
         elif plan.staging == "sqlite":
             new_completion_ids = _sqlite_stage_insert(conn, "completions", plan.completion_rows, now)
         else:
@@ -150,7 +151,7 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
         if copied is not None:
             inserted = copied[1]
         elif plan.staging == "postgresql":
-            inserted = _pg_stage_insert(conn, "feedback", plan.feedback_rows, now)
+            inserted = _pg_stage_insert(conn, "feedback", list(pg_rows(plan, "feedback")), now)
         elif plan.staging == "sqlite":
             inserted = _sqlite_stage_insert(conn, "feedback", plan.feedback_rows, now)
         else:
@@ -238,17 +239,18 @@ def _insert_direct(conn: sa.Connection, plan: BatchPlan, now: datetime) -> tuple
     try:
         if not pg:
             cursor.execute(f"SAVEPOINT {_SAVEPOINT}")  # PostgreSQL's was set in _pg_session's round trip
-        for table, rows in (("completions", plan.completion_rows), ("feedback", plan.feedback_rows)):
-            if not rows:
+        for table, items in (("completions", plan.completions), ("feedback", plan.feedback)):
+            if not items:
                 continue
             cols = ", ".join(f'"{c}"' for c in _STAGED_COLUMNS[table])
             if pg:
                 with cursor.copy(f"COPY {table} ({cols}, ingested_at) FROM STDIN (FORMAT BINARY)") as copy:
                     copy.set_types([*PG_COPY_TYPES[table], "timestamptz"])
-                    for row in rows:
+                    for row in pg_rows(plan, table):
                         copy.write_row((*row, now))
             else:  # the timestamp is ours, formatted: a literal, so the rows need no extra field
                 marks = ", ".join("?" * len(_STAGED_COLUMNS[table]))
+                rows = plan.completion_rows if table == "completions" else plan.feedback_rows
                 cursor.executemany(f"INSERT INTO {table} ({cols}, ingested_at) "
                                    f"VALUES ({marks}, '{sqlite_timestamp(now)}')", rows)
         if not pg:
