@@ -85,6 +85,9 @@ class GRPOSettings(Section):
     checkpoint_every: int = Field(10, ge=1, description="Save a resumable checkpoint every N steps.")
     seed: int = Field(0, description="Seed for task order and sampling.")
     publish: bool = Field(True, description="Publish the first checkpoint that passes the gate.")
+    supersede_margin: float = Field(0.02, ge=0, le=1, description="The final checkpoint is published too, and "
+                                    "replaces the first on production if nothing else was promoted since, when its "
+                                    "pass@1 beats the first's by this much.")
 
 
 class SandboxSettings(Section):

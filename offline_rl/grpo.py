@@ -59,6 +59,7 @@ class GRPOResult:
     gate_threshold: float
     published_version: str | None = None
     published_step: int | None = None
+    final_version: str | None = None  # the final checkpoint, published when it beat the first by a margin
     wall_s: float = 0.0
     dropped_stale: int = 0
     zero_variance_groups: int = 0
@@ -69,7 +70,7 @@ class GRPOResult:
                 "steps": self.steps, "pass_at_1_before": self.before.pass_at_1 if self.before else None,
                 "pass_at_1_after": self.after.pass_at_1 if self.after else None,
                 "gate_threshold": self.gate_threshold, "published_version": self.published_version,
-                "published_step": self.published_step, "wall_s": round(self.wall_s, 1),
+                "published_step": self.published_step, "final_version": self.final_version, "wall_s": round(self.wall_s, 1),
                 "dropped_stale": self.dropped_stale, "zero_variance_groups": self.zero_variance_groups}
 
 
@@ -398,8 +399,14 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
         say(f"grpo: step {trainer.step} held-out pass@1 {r.pass_at_1:.3f} ({tag})")
         return r
 
-    def maybe_publish(r: EvalResult) -> None:
-        if not cfg.publish or state["published_version"] is not None or r.pass_at_1 < ev_cfg.gate_threshold:
+    def maybe_publish(r: EvalResult, final: bool = False) -> None:
+        """The first evaluation at or over the gate is published; at the end of the run the final
+        checkpoint supersedes it if it beat it by ``supersede_margin`` (users should get the better one)."""
+        if not cfg.publish or r.pass_at_1 < ev_cfg.gate_threshold:
+            return
+        first = state["published_version"] is None
+        best = state.get("final_pass_at_1") or state.get("published_pass_at_1") or 0.0
+        if not first and not (final and r.pass_at_1 >= best + cfg.supersede_margin):
             return
         from offline_rl.publish import publish_model
 
@@ -408,10 +415,17 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
         metrics = {"heldout_pass_at_1": r.pass_at_1, **{f"heldout_pass_at_{k}": v for k, v in r.pass_at_k.items()},
                    "n_tasks": r.n_tasks, "samples": r.samples, "gate_threshold": ev_cfg.gate_threshold,
                    "grpo_step": trainer.step}
-        version = fn(settings, hf, metrics, log=say)
-        state["published_version"], state["published_step"] = version, trainer.step
-        say(f"grpo: gate passed at step {trainer.step} (pass@1 {r.pass_at_1:.3f} >= {ev_cfg.gate_threshold}); "
-            f"published {version}")
+        if first:
+            version = fn(settings, hf, metrics, log=say)
+            state["published_version"], state["published_step"] = version, trainer.step
+            state["published_pass_at_1"] = r.pass_at_1
+            say(f"grpo: gate passed at step {trainer.step} (pass@1 {r.pass_at_1:.3f} >= {ev_cfg.gate_threshold}); "
+                f"published {version}")
+            return
+        version = fn(settings, hf, metrics, log=say, supersede=state["published_version"])
+        state["final_version"], state["final_step"], state["final_pass_at_1"] = version, trainer.step, r.pass_at_1
+        say(f"grpo: final checkpoint (step {trainer.step}, pass@1 {r.pass_at_1:.3f} >= {best:.3f} + "
+            f"{cfg.supersede_margin}) published {version}, superseding {state['published_version']}")
 
     before = None
     if evaluate_before and state["before"] is None:
@@ -485,7 +499,7 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
                     trainer.save_checkpoint(run_dir, state)
         if evaluate_after:
             after = run_eval("after")
-            maybe_publish(after)
+            maybe_publish(after, final=True)
             trainer.save_checkpoint(run_dir, state)
     finally:
         bar.close()
@@ -496,6 +510,7 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
     result = GRPOResult(out_dir=run_dir, final_dir=final_dir, metrics_path=metrics_path, steps=trainer.step,
                         before=before, after=after, gate_threshold=ev_cfg.gate_threshold,
                         published_version=state["published_version"], published_step=state["published_step"],
+                        final_version=state.get("final_version"),
                         wall_s=time.perf_counter() - t_start, dropped_stale=state["dropped_stale"],
                         zero_variance_groups=state["zero_variance_groups"], evals=state["evals"])
     (run_dir / "result.json").write_text(json.dumps(result.summary(), indent=2))

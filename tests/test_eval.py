@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from math import comb
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,30 @@ def test_publish_only_past_the_gate(tiny_model_dir, tmp_path):
     info = reg.info(v)
     assert info.stage == "offline" and info.metrics["heldout_pass_at_1"] == pytest.approx(0.61)
     assert reg.channel("production") == v  # the first eligible model serves
+
+
+def test_a_better_final_checkpoint_supersedes_the_first_only_while_it_still_serves(tiny_model_dir, tmp_path):
+    from policy.loading import load_policy
+    from policy.registry import Registry
+
+    s = load_settings()
+    s.registry.url, s.registry.cache_dir = str(tmp_path / "registry"), str(tmp_path / "cache")
+    s.eval.gate_threshold = 0.5
+    reg = Registry.from_settings(s.registry)
+    first = publish_model(s, tiny_model_dir, {"heldout_pass_at_1": 0.52})
+
+    def variant(name: str, scale: float) -> Path:
+        p = load_policy(tiny_model_dir)
+        for w in p.model.parameters():
+            w.data.mul_(scale)
+        p.model.save_pretrained(tmp_path / name)
+        p.tokenizer.save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    final = publish_model(s, variant("final", 1.01), {"heldout_pass_at_1": 0.55}, supersede=first)
+    assert reg.channel("production") == final
+    assert "supersedes" in reg.history("production")[-1]["note"]
+    # Once something else holds production (a real-time release), an offline run does not override it.
+    reg.promote(first, "production", note="stand-in for a real-time release")
+    late = publish_model(s, variant("late", 1.02), {"heldout_pass_at_1": 0.58}, supersede=final)
+    assert reg.channel("production") == first and reg.channel("candidate") == late
