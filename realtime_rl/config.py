@@ -81,9 +81,11 @@ class IngestSettings(Section):
     dead_letter_max_raw_bytes: int = Field(4_194_304, ge=0, description="Raw bytes kept per dead letter "
                                            "(longer payloads are truncated; the full size is recorded).")
     retry_backoff_s: float = Field(1.0, gt=0, description="Wait after a failed transaction (database down).")
-    staged_writes: bool = Field(True, description="Stage each batch in temp tables (PostgreSQL: COPY of the JSON "
-                                "events; SQLite: the driver's executemany) and move it with one INSERT ... SELECT. "
-                                "Off: multi-row INSERTs through SQLAlchemy (slower, same rows).")
+    staged_writes: bool = Field(True, description="Bulk writes: PostgreSQL gets a binary COPY of typed rows "
+                                "straight into the tables inside a savepoint (a conflicting, i.e. redelivered, row "
+                                "rolls it back and the batch goes through temp tables with ON CONFLICT); SQLite "
+                                "the driver's executemany. Off: multi-row INSERTs through SQLAlchemy (slower, "
+                                "same rows).")
     log_every_s: float = Field(10.0, gt=0, description="Progress line interval in follow mode.")
     gc_threshold: int = Field(100_000, ge=0, description="Python's generation-0 GC threshold while ingesting "
                               "(0: leave the interpreter's 700). A batch keeps ~20 objects per event alive, and "
