@@ -135,7 +135,10 @@ def stage_grpo(s: Settings, log: Callable[[str], None], init_dir: str) -> dict[s
         raise DemoError(f"grpo: held-out pass@1 {summary['pass_at_1_after']} never reached the gate "
                         f"{s.eval.gate_threshold} in {result.steps} steps; nothing was published. "
                         "Raise grpo.steps or lower eval.gate_threshold, then rerun (finished stages are kept).")
-    log(f"grpo: version {result.published_version} passed the gate and serves as production")
+    serving = result.final_version or result.published_version
+    log(f"grpo: version {result.published_version} passed the gate at step {result.published_step}"
+        + (f"; the better final checkpoint {serving} superseded it" if result.final_version else "")
+        + f"; {serving} serves as production")
     return summary
 
 
@@ -310,7 +313,9 @@ def gather_report(s: Settings, state: DemoState):
     infos = {v.id: v for v in registry.list()}
     first = grpo.get("published_version") or online.get("first_production")
     since = _as_utc(online["started_at"]) if online.get("started_at") else None
-    chain = [first] + [r["candidate_version"] for r in sorted(releases.values(), key=lambda r: _as_utc(r["created_at"]))
+    # The run's first gate-passing version, then its final checkpoint when that superseded it before
+    # serving, then the real-time releases.
+    chain = [first, grpo.get("final_version")] + [r["candidate_version"] for r in sorted(releases.values(), key=lambda r: _as_utc(r["created_at"]))
                        if since is None or _as_utc(r["created_at"]) >= since]
     for version in dict.fromkeys(v for v in chain if v):
         info = infos.get(version)
@@ -318,7 +323,7 @@ def gather_report(s: Settings, state: DemoState):
         acc = accept.get(version, {})
         n = int(acc.get("n_feedback", 0) or 0)
         row = VersionRow(
-            version=version, stage=(info.stage if info else None) or ("offline" if version == first else "realtime"),
+            version=version, stage=(info.stage if info else None) or ("offline" if version in chain[:2] else "realtime"),
             accept_rate=acc.get("accept_rate") if n else None,
             ci=(acc["accept_ci_low"], acc["accept_ci_high"]) if n else None, n_feedback=n,
             offline_pass_at_1=(rel or {}).get("offline_pass_at_1") if rel else
