@@ -446,7 +446,9 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
                               temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                               seed=cfg.seed + 7 * trainer.step, threads=settings.model.threads)
                  for i in range(cfg.workers)]
-        rollouts = AsyncRollouts(trainer.model, wcfgs, split.train, cfg.queue_size, version=trainer.version)
+        live = [name for name, param in trainer.model.named_parameters() if param.requires_grad]
+        rollouts = AsyncRollouts(trainer.model, wcfgs, split.train, cfg.queue_size, version=trainer.version,
+                                 live=live)
     sync_backend = TorchBackend(trainer.model, trainer.tokenizer, version=trainer.version)
     rng = random.Random(cfg.seed * 31 + trainer.step)
     bar = tqdm(total=cfg.steps, initial=trainer.step, desc=f"grpo[{cfg.mode}]", disable=not progress,

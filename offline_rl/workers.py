@@ -6,7 +6,8 @@ Weights travel through shared memory: the trainer owns a set of shared tensors, 
 a lock; after every optimizer step it copies its parameters in and bumps the version. A worker checks
 the counter before each batch and, when it moved, copies the tensors out under the lock (a consistent
 snapshot) and loads them in place (``load_state_dict`` / vLLM ``reload_weights``): it never stops or
-restarts. Every batch carries the version that produced it; the trainer bounds staleness.
+restarts. Only the tensors the trainer updates are copied each step (``grpo.trainable``: with the
+norm-only default 7 KB instead of 6 MB). Every batch carries the version that produced it; the trainer bounds staleness.
 
 Admission control: a worker takes one of ``queue_size`` slots *before* it samples a batch, and the
 trainer frees the slot when it takes the batch off the queue. Without it a worker finishes a batch,
@@ -58,7 +59,8 @@ def sample_tasks(tasks, n: int, rng: random.Random):
     return [tasks[rng.randrange(len(tasks))] for _ in range(n)]
 
 
-def _worker_main(cfg: WorkerConfig, tasks, shared: dict, version, lock, out_q, stop, slots) -> None:
+def _worker_main(cfg: WorkerConfig, tasks, shared: dict, live: list[str], version, lock, out_q, stop,
+                 slots) -> None:
     """Entry point of a rollout worker process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -99,7 +101,10 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, version, lock, out_q, s
             if version.value != local:
                 with lock:
                     v = version.value
-                    snapshot = {k: t.clone() for k, t in shared.items()}
+                    # Frozen tensors never change: after the first sync only the trained ones move
+                    # (vLLM's reload_weights expects every weight, so it always gets them all).
+                    names = list(shared) if local == -1 or cfg.engine == "vllm" else live
+                    snapshot = {k: shared[k].clone() for k in names}
                 backend.load_weights(snapshot, v)
                 local = v
             t0 = time.perf_counter()
@@ -121,12 +126,15 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, version, lock, out_q, s
 class AsyncRollouts:
     """Worker processes feeding a bounded queue; the trainer publishes weights with :meth:`publish`."""
 
-    def __init__(self, model, worker_cfgs: list[WorkerConfig], tasks, queue_size: int, version: int = 0):
+    def __init__(self, model, worker_cfgs: list[WorkerConfig], tasks, queue_size: int, version: int = 0,
+                 live: list[str] | None = None):
+        """``live``: the state-dict names the trainer updates (default all); only they are re-sent."""
         import torch
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.shared = {k: v.detach().clone().contiguous().share_memory_() for k, v in model.state_dict().items()}
+        self.live = list(live) if live is not None else list(self.shared)
         self.version = ctx.Value("l", version)
         self.lock = ctx.Lock()
         self.queue = ctx.Queue(maxsize=queue_size)
@@ -135,15 +143,16 @@ class AsyncRollouts:
         self.procs = []
         self._torch = torch
         for cfg in worker_cfgs:
-            p = ctx.Process(target=_worker_main, args=(cfg, tasks, self.shared, self.version, self.lock,
+            p = ctx.Process(target=_worker_main, args=(cfg, tasks, self.shared, self.live, self.version, self.lock,
                                                        self.queue, self.stop_event, self.slots), daemon=True)
             p.start()
             self.procs.append(p)
 
     def publish(self, model, version: int) -> None:
         with self._torch.no_grad(), self.lock:
-            for k, v in model.state_dict().items():
-                self.shared[k].copy_(v)
+            state = model.state_dict()
+            for k in self.live:
+                self.shared[k].copy_(state[k])
             self.version.value = version
 
     def get(self, timeout: float = 600.0) -> RolloutBatch:

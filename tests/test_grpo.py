@@ -122,8 +122,11 @@ def test_async_staleness_bound_and_live_weight_pickup(tiny_model_dir, tmp_path):
     assert all(r["staleness"] == 0 for r in recs)  # max_staleness = 0: nothing older was trained on
     # The worker ran ahead with a queue of two, so some batches were too old and were dropped (counted).
     assert res.dropped_stale > 0 and recs[-1]["dropped_stale"] == res.dropped_stale
-    # Workers took new weights without restarting: later batches carry later versions.
+    # Workers took new weights without restarting: later batches carry later versions, and each batch's
+    # behaviour log-probs are the trainer's own under that version (only the trained tensors are
+    # re-sent each step, so a missed one would show here as a mismatch).
     assert max(r["batch_version"] for r in recs) >= 2
+    assert all(r["mismatch_abs_logp"] < 1e-4 for r in recs if r.get("updated"))
     for r in recs:
         assert {"reward_mean", "pass_rate", "entropy", "mismatch_abs_logp", "mismatch_kl_k3", "clip_fraction",
                 "staleness", "reward_tests", "reward_format"} <= r.keys() or not r["updated"]
