@@ -75,7 +75,7 @@ def decode_record(record: Record, max_event_bytes: int) -> Decoded:
 
 
 def _has_unicode_escape(value: bytes) -> bool:
-    """Whether valid JSON ``value`` holds a ``\\uXXXX`` escape. Hops from backslash to backslash,
+    """Whether valid JSON ``value`` holds a ``\\u`` escape (four hex digits). Hops from backslash to backslash,
     skipping each escaped character, so it is exact; on gateway events (a few escapes each) measured
     2-3x faster than one two-byte search ``b"\\\\u" in value``."""
     i = value.find(b"\\")

@@ -140,12 +140,17 @@ def _aware(ts: datetime) -> datetime:
     return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
 
 
-def _completion_pg(e: CompletionEvent) -> tuple:
+def _completion_fields(e: CompletionEvent, ts) -> tuple:
+    """A completions row in table column order; ``ts`` is the dialect's timestamp value."""
     return (e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion,
             json_text(e.prompt_token_ids), json_text(e.completion_token_ids), json_text(e.logprobs),
             None if e.sampling_logprobs is None else json_text(e.sampling_logprobs),
             None if e.expert_ids is None else json_text(e.expert_ids), json_text(e.sampling),
-            e.finish_reason, e.latency_ms, e.task_bucket, e.choice_index, _aware(e.ts))
+            e.finish_reason, e.latency_ms, e.task_bucket, e.choice_index, ts)
+
+
+def _completion_pg(e: CompletionEvent) -> tuple:
+    return _completion_fields(e, _aware(e.ts))
 
 
 def _feedback_pg(e: FeedbackEvent, is_latest: bool) -> tuple:
@@ -154,11 +159,7 @@ def _feedback_pg(e: FeedbackEvent, is_latest: bool) -> tuple:
 
 
 def _completion_sqlite(e: CompletionEvent) -> tuple:
-    return (e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion,
-            json_text(e.prompt_token_ids), json_text(e.completion_token_ids), json_text(e.logprobs),
-            None if e.sampling_logprobs is None else json_text(e.sampling_logprobs),
-            None if e.expert_ids is None else json_text(e.expert_ids), json_text(e.sampling),
-            e.finish_reason, e.latency_ms, e.task_bucket, e.choice_index, sqlite_timestamp(e.ts))
+    return _completion_fields(e, sqlite_timestamp(e.ts))
 
 
 def _feedback_sqlite(e: FeedbackEvent, is_latest: bool) -> tuple:
