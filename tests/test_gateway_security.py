@@ -14,7 +14,7 @@ from serving.ratelimit import RateLimiter
 def test_keys_are_stored_hashed_and_revocable(tmp_path):
     store = KeyStore(tmp_path / "keys.json")
     key = store.create("alice")
-    key_id, secret = key.split("-")[1], key.split("-")[2]
+    _, key_id, secret = key.split("-", 2)  # the secret is urlsafe base64: it may contain "-" itself
     raw = (tmp_path / "keys.json").read_text()
     assert secret not in raw and key not in raw
     entry = json.loads(raw)["keys"][0]
