@@ -132,7 +132,11 @@ def utc(ts: datetime) -> datetime:
 
 
 def sqlite_timestamp(ts: datetime) -> str:
-    return utc(ts).strftime("%Y-%m-%d %H:%M:%S.%f")
+    """SQLAlchemy's SQLite text for ``ts`` (naive UTC, always six fractional digits). ``isoformat``
+    gives the same text as ``strftime("%Y-%m-%d %H:%M:%S.%f")`` in a third less time (one per row)."""
+    if ts.tzinfo is not None:
+        ts = ts.astimezone(UTC).replace(tzinfo=None)
+    return ts.isoformat(" ", "microseconds")
 
 
 def _aware(ts: datetime) -> datetime:

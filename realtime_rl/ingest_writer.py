@@ -163,21 +163,23 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
         result.duplicates += len(feedback) - len(inserted)
         feedback_ids = set(inserted)
         if conn.dialect.name != "postgresql":  # PostgreSQL: in the training-example statement below
-            _mark_latest(conn, sorted(feedback_ids))
+            conn.exec_driver_sql(_SQLITE_MARK_LATEST, (json_text(sorted(feedback_ids)),))
 
     touched = sorted(set(new_completion_ids) | feedback_ids)
     joined = _upsert_training_examples(conn, touched, now) if touched else set()
     result.joined = len(joined)
     waiting = sorted(feedback_ids - joined)
     if waiting:
-        stmt = dialect_insert(conn, t.pending_feedback).on_conflict_do_nothing()
-        conn.execute(stmt, [{"completion_id": cid, "first_seen_at": now} for cid in waiting])
+        if conn.dialect.name == "postgresql":
+            stmt = dialect_insert(conn, t.pending_feedback).on_conflict_do_nothing()
+            conn.execute(stmt, [{"completion_id": cid, "first_seen_at": now} for cid in waiting])
+        else:
+            conn.exec_driver_sql(_SQLITE_PEND, (sqlite_timestamp(now), json_text(waiting)))
     result.pending = len(waiting)
     if joined and conn.dialect.name == "postgresql":
         conn.exec_driver_sql(_PG_UNPEND, {"ids": json_text(sorted(joined))})
-    else:
-        for chunk in _chunks(conn, sorted(joined)):
-            conn.execute(sa.delete(t.pending_feedback).where(_in(conn, t.pending_feedback.c.completion_id, chunk)))
+    elif joined:
+        conn.exec_driver_sql(_SQLITE_UNPEND, (json_text(sorted(joined)),))
 
     if plan.versions:
         result.model_versions = _write_versions(conn, plan.versions, now)
@@ -344,17 +346,6 @@ def _classify_rejected(conn: sa.Connection, wanted: dict[str, str]) -> tuple[int
     return duplicates, conflicts
 
 
-def _mark_latest(conn: sa.Connection, completion_ids: list[str]) -> None:
-    """Flip ``is_latest`` only where it is wrong, so a completion's single judgement is never rewritten."""
-    f = t.feedback
-    newer = f.alias("newer")
-    latest = (sa.select(newer.c.event_id).where(newer.c.completion_id == f.c.completion_id)
-              .order_by(newer.c.created_at.desc(), newer.c.event_id.desc()).limit(1).scalar_subquery())
-    for chunk in _chunks(conn, completion_ids):
-        conn.execute(sa.update(f).where(_in(conn, f.c.completion_id, chunk), f.c.is_latest != (f.c.event_id == latest))
-                     .values(is_latest=sa.not_(f.c.is_latest)))
-
-
 _EXAMPLE_FROM_COMPLETION = ("completion_id", "version", "model", "caller", "task_bucket", "prompt_token_ids",
                             "completion_token_ids", "logprobs", "sampling_logprobs", "expert_ids", "sampling")
 _EXAMPLE_FROM_FEEDBACK = ("signal", "kept_text", "score")
@@ -364,33 +355,17 @@ _EXAMPLE_UPDATED = ("signal", "kept_text", "score", "feedback_event_id", "feedba
 
 def _upsert_training_examples(conn: sa.Connection, completion_ids: list[str], now: datetime) -> set[str]:
     """Upsert the example of every id that has both halves; returns those ids. On PostgreSQL this also
-    corrects ``is_latest`` for them (elsewhere ``_mark_latest`` has done that first)."""
+    corrects ``is_latest`` for them (on SQLite ``_SQLITE_MARK_LATEST`` has done that first)."""
     if conn.dialect.name == "postgresql":
         return {r[0] for r in conn.exec_driver_sql(_PG_EXAMPLES, {"ids": json_text(completion_ids), "now": now})}
-    c, f, te = t.completions, t.feedback, t.training_examples
-    history = f.alias("history")
-    count = (sa.select(sa.func.count()).select_from(history)
-             .where(history.c.completion_id == c.c.completion_id).scalar_subquery())
-    joined: set[str] = set()
-    for chunk in _chunks(conn, completion_ids):
-        select = (
-            sa.select(*(c.c[n] for n in _EXAMPLE_FROM_COMPLETION), *(f.c[n] for n in _EXAMPLE_FROM_FEEDBACK),
-                      f.c.event_id, count, f.c.created_at, c.c.created_at,
-                      sa.literal(now, t.Timestamp))
-            .select_from(c.join(f, sa.and_(f.c.completion_id == c.c.completion_id, f.c.is_latest)))
-            .where(_in(conn, c.c.completion_id, chunk))
-        )
-        stmt = dialect_insert(conn, te).from_select(_EXAMPLE_TARGET, select)
-        stmt = stmt.on_conflict_do_update(index_elements=[te.c.completion_id],
-                                          set_={n: stmt.excluded[n] for n in _EXAMPLE_UPDATED})
-        joined.update(conn.execute(stmt.returning(te.c.completion_id)).scalars().all())
-    return joined
+    rows = conn.exec_driver_sql(_SQLITE_EXAMPLES, (sqlite_timestamp(now), json_text(completion_ids)))
+    return {r[0] for r in rows}
 
 
 _EXAMPLE_TARGET = (*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback_event_id", "feedback_count",
                    "feedback_at", "completion_at", "updated_at")
 # PostgreSQL: ``is_latest`` and the join in one statement, driven from the id list. Per id, one index
-# range of feedback finds the newest judgement (the order ``_mark_latest`` uses) and counts them all;
+# range of feedback finds the newest judgement (the order ``_SQLITE_MARK_LATEST`` uses) and counts them all;
 # the flags are corrected only where a completion has more than one judgement (a single one was
 # flagged when it was inserted), and the example takes the newest's fields straight from that range,
 # with one primary-key probe of completions. The CTE's UPDATE runs on the same snapshot as the INSERT,
@@ -424,6 +399,32 @@ CROSS JOIN LATERAL (SELECT * FROM completions WHERE completion_id = l.id LIMIT 1
 ON CONFLICT (completion_id) DO UPDATE SET {", ".join(f"{n} = excluded.{n}" for n in _EXAMPLE_UPDATED)}
 RETURNING completion_id"""
 
+
+# SQLite: the same set-based steps as raw statements, each id list one JSON array parameter read with
+# ``json_each``: no statement grows with the batch, and SQLAlchemy does not build and compile an
+# ``IN`` of thousands of bound parameters per statement (a visible share of the ingester's CPU).
+# ``is_latest`` is flipped only where it is wrong (newest by the event's timestamp, ties by event id),
+# so a completion's single judgement, flagged when inserted, is never rewritten.
+_SQLITE_MARK_LATEST = """
+UPDATE feedback SET is_latest = NOT is_latest
+WHERE completion_id IN (SELECT value FROM json_each(?))
+  AND is_latest != (event_id = (SELECT n.event_id FROM feedback AS n WHERE n.completion_id = feedback.completion_id
+                                ORDER BY n.created_at DESC, n.event_id DESC LIMIT 1))"""
+# Driven from the id list: one primary-key probe of completions and one index range of feedback per id.
+_SQLITE_EXAMPLES = f"""
+INSERT INTO training_examples ({", ".join(_EXAMPLE_TARGET)})
+SELECT {", ".join(f"c.{n}" for n in _EXAMPLE_FROM_COMPLETION)}, {", ".join(f"f.{n}" for n in _EXAMPLE_FROM_FEEDBACK)},
+       f.event_id, (SELECT count(*) FROM feedback AS h WHERE h.completion_id = c.completion_id),
+       f.created_at, c.created_at, ?1
+FROM json_each(?2) AS k
+JOIN completions AS c ON c.completion_id = k.value
+JOIN feedback AS f ON f.completion_id = c.completion_id AND f.is_latest
+WHERE true
+ON CONFLICT (completion_id) DO UPDATE SET {", ".join(f"{n} = excluded.{n}" for n in _EXAMPLE_UPDATED)}
+RETURNING completion_id"""
+_SQLITE_PEND = ("INSERT INTO pending_feedback (completion_id, first_seen_at) SELECT value, ?1 FROM json_each(?2) "
+                "WHERE true ON CONFLICT DO NOTHING")
+_SQLITE_UNPEND = "DELETE FROM pending_feedback WHERE completion_id IN (SELECT value FROM json_each(?))"
 
 def _write_versions(conn: sa.Connection, events: list[ModelVersionEvent], now: datetime) -> int:
     actions = t.model_version_actions
