@@ -53,14 +53,16 @@ def make_engine(db: DatabaseSettings | str, *, readonly: bool = False) -> sa.Eng
 
 
 SQLITE_WRITER_PRAGMAS = ("cache_size=-65536", "wal_autocheckpoint=10000", "temp_store=MEMORY")
-"""Speed only; none changes what a commit guarantees. ``cache_size``: 64 MiB of page cache per
-connection instead of 2 MiB (the indexes on random event ids touch pages all over the file; pages
-are allocated as used). ``wal_autocheckpoint``: copy the WAL back into the database every ~40 MiB
-instead of every ~4 MiB: an ingest batch writes more than 4 MiB, so each commit also ran a
-checkpoint (copying every page, and two fsyncs at ``synchronous=NORMAL``); less often, a page
-rewritten by several batches is copied once. A checkpoint only moves already-committed pages, so
-how often it runs changes neither durability nor what readers see. ``temp_store``: the staging
-tables of the fallback path and the sorter's scratch space in memory (temporary by definition)."""
+"""Speed; what a commit guarantees is as above. ``cache_size``: 64 MiB of page cache per connection
+instead of 2 MiB (the indexes on random event ids touch pages all over the file; pages are allocated
+as used). ``wal_autocheckpoint``: copy the WAL back into the database every ~40 MiB instead of
+every ~4 MiB: an ingest batch writes more than 4 MiB, so each commit also ran a checkpoint (copying
+every page, two fsyncs); less often, a page rewritten by several batches is copied once. A process
+crash still loses nothing committed. At ``synchronous=NORMAL`` the WAL is fsynced only at
+checkpoints, so a power cut or OS crash can roll back the transactions since the last one: now up to
+~40 MiB of them instead of ~4 MiB, each with its offsets, so they are read from the bus again (the
+bus must still hold them: Kafka's retention, the embedded log keeps everything). ``temp_store``:
+the fallback path's staging tables and the sorter's scratch space in memory (temporary anyway)."""
 
 
 def _sqlite_engine(url: sa.URL, settings: DatabaseSettings, readonly: bool) -> sa.Engine:
