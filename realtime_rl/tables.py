@@ -53,6 +53,10 @@ Timestamp = DateTime(timezone=True)
 NullableJSON = JSON(none_as_null=True)
 """A missing array is SQL NULL (not the JSON text ``null``), whichever path wrote the row."""
 Id = String(128)
+IdC = String(128).with_variant(String(128, collation="C"), "postgresql")
+"""The ingester's indexed ids: bytewise comparison on PostgreSQL (revision 0101; SQLite's text is
+bytewise already). Their unique indexes take every ingested row; the locale's ``strcoll`` was a
+visible share of the server's CPU per event."""
 
 
 class Base(DeclarativeBase):
@@ -62,8 +66,8 @@ class Base(DeclarativeBase):
 class Completion(Base):
     __tablename__ = "completions"
 
-    completion_id: Mapped[str] = mapped_column(Id, primary_key=True)
-    event_id: Mapped[str] = mapped_column(Id, unique=True)
+    completion_id: Mapped[str] = mapped_column(IdC, primary_key=True)
+    event_id: Mapped[str] = mapped_column(IdC, unique=True)
     caller: Mapped[str] = mapped_column(Id)
     model: Mapped[str] = mapped_column(Id)
     version: Mapped[str] = mapped_column(Id)
@@ -88,8 +92,8 @@ class Feedback(Base):
     __table_args__ = (Index("ix_feedback_completion_order", "completion_id", "created_at", "event_id"),)
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    event_id: Mapped[str] = mapped_column(Id, unique=True)
-    completion_id: Mapped[str] = mapped_column(Id)
+    event_id: Mapped[str] = mapped_column(IdC, unique=True)
+    completion_id: Mapped[str] = mapped_column(IdC)
     caller: Mapped[str] = mapped_column(Id)
     version: Mapped[str] = mapped_column(Id)
     signal: Mapped[str] = mapped_column(String(16))
@@ -104,14 +108,14 @@ class Feedback(Base):
 class PendingFeedback(Base):
     __tablename__ = "pending_feedback"
 
-    completion_id: Mapped[str] = mapped_column(Id, primary_key=True)
+    completion_id: Mapped[str] = mapped_column(IdC, primary_key=True)
     first_seen_at: Mapped[datetime] = mapped_column(Timestamp, index=True)
 
 
 class TrainingExample(Base):
     __tablename__ = "training_examples"
 
-    completion_id: Mapped[str] = mapped_column(Id, primary_key=True)
+    completion_id: Mapped[str] = mapped_column(IdC, primary_key=True)
     version: Mapped[str] = mapped_column(Id)
     model: Mapped[str] = mapped_column(Id)
     caller: Mapped[str] = mapped_column(Id)

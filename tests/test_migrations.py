@@ -110,6 +110,49 @@ def test_analyst_role_sees_views_only(postgres_url: str) -> None:
         engine.dispose()
 
 
+def _collations(url: str) -> dict[tuple[str, str], str | None]:
+    return {(t, c): coll for t, c, coll in ingest_fixtures.rows(url, """
+        SELECT table_name, column_name, collation_name FROM information_schema.columns
+        WHERE table_schema = current_schema() AND data_type = 'character varying'""") if t in OURS}
+
+
+@pytest.mark.postgres
+def test_id_columns_compare_bytewise_on_postgresql_up_and_down(tmp_path: Path, postgres_url: str) -> None:
+    """Revision 0101 gives exactly the models' ``IdC`` columns ``COLLATE "C"`` (Alembic's model comparison
+    does not look at collations), keeps the views and their grants, and its downgrade restores the
+    database default; rows ingested before the change read back the same."""
+    from sqlalchemy.dialects import postgresql
+
+    from realtime_rl.ingest import Ingester
+    from tests.ingest_fixtures import completion, feedback, make_settings, rows, send
+
+    wanted = {(table.name, col.name) for table in tables.Base.metadata.sorted_tables if table.name in OURS
+              for col in table.c if getattr(col.type.dialect_impl(postgresql.dialect()), "collation", None) == "C"}
+    assert {c for _, c in wanted} == {"completion_id", "event_id"} and len(wanted) == 6
+
+    schema.upgrade(postgres_url, "0100")
+    before = _collations(postgres_url)
+    assert not {k for k, v in before.items() if v == "C"}
+    schema.upgrade(postgres_url, "head")
+    s = make_settings(tmp_path, postgres_url)
+    send(s, [completion("c-2"), completion("c-10"), feedback("c-10", "accept"), feedback("c-2", "reject")])
+    ing = Ingester(s)
+    ing.drain(timeout_s=30)
+    ing.close()
+    after = _collations(postgres_url)
+    assert {k for k, v in after.items() if v == "C"} == wanted
+    assert {k: v for k, v in after.items() if k not in wanted} == {k: v for k, v in before.items() if k not in wanted}
+    assert set(VIEWS) <= _inspect(postgres_url)[1]
+    test_analyst_role_sees_views_only(postgres_url)
+    ordered = [r[0] for r in rows(postgres_url, "SELECT completion_id FROM training_examples ORDER BY completion_id")]
+    assert ordered == ["c-10", "c-2"]  # bytewise ('1' < '2')
+
+    schema.downgrade(postgres_url, "0100")
+    assert _collations(postgres_url) == before
+    assert set(VIEWS) <= _inspect(postgres_url)[1]
+    assert [tuple(r) for r in rows(postgres_url, "SELECT version, n_feedback, n_accept FROM v_accept_rate_by_version")] \
+        == [("v1", 2, 1)]
+
 def test_rtrl_db_commands_work_from_any_directory(tmp_path: Path) -> None:
     elsewhere = tmp_path / "somewhere" / "else"
     elsewhere.mkdir(parents=True)
