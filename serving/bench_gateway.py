@@ -8,7 +8,8 @@ Content-Length body); ``httpx`` is measured beside it, because a general-purpose
 ~0.5 ms per request of its own on this machine, which is the client's time, not the gateway's.
 
 1. **Overhead, paired.** Sequentially (concurrency 1 on both sides), request *i* is run directly on
-   the engine (``engine.generate_now``: the same micro-batcher, no HTTP), through the gateway with
+   the engine (``engine.generate_now``: the same micro-batcher, no HTTP; with
+   ``serving.engine_process`` the same pipe to the same engine process), through the gateway with
    the raw client and through the gateway with httpx, with the same prompt, seed and max_tokens (so
    the same tokens are generated), in an order that rotates with *i*, each call starting from the
    same state: the previous gateway request's events sent (a few ms after its response; they would
@@ -367,6 +368,7 @@ def run(settings, quick: bool, log) -> dict:
             server.stop()
         return {
             "engine": s.serving.engine,
+            "engine_process": s.serving.engine == "torch" and s.serving.engine_process,
             "model_dir": str(base),
             "max_tokens": max_tokens,
             "batch_window_ms": s.serving.batch_window_ms,

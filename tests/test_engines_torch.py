@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from serving_fixtures import PROMPT, gateway_settings
+from serving_fixtures import PROMPT, gateway_settings, make_versions
 
 from policy.sampling import SamplingParams
 
@@ -66,3 +66,61 @@ def test_close_fails_waiting_requests_cleanly(tmp_path, tiny_model_dir):
     eng.close()
     with pytest.raises(EngineClosed):
         eng.submit([[1, 2]], [SamplingParams()])
+
+
+def test_engine_process_and_in_thread_modes_generate_the_same(engine, tmp_path, tiny_model_dir):
+    """The default runs the models in a child process; the in-thread mode must give the same samples."""
+    from serving.engines.torch_engine import TorchEngine
+    from serving.versions import DirSource
+
+    assert engine.settings.serving.engine_process and engine._proc.is_alive()
+    local = TorchEngine(gateway_settings(tmp_path, tiny_model_dir, batch_window_ms=0, engine_process=False))
+    try:
+        assert local._proc is None
+        local.load(DirSource(tiny_model_dir).current("production"))
+        ids = engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+        params = [SamplingParams(max_new_tokens=6, seed=3), SamplingParams(max_new_tokens=4, temperature=0.7,
+                                                                           top_k=10, stop=["\n"], seed=4)]
+        a = engine.generate_now([ids, ids], params, timeout=60)
+        b = local.generate_now([ids, ids], params, timeout=60)
+        assert [g.sample.token_ids for g in a] == [g.sample.token_ids for g in b]
+        assert [g.sample.text for g in a] == [g.sample.text for g in b]
+        for x, y in zip(a, b, strict=True):
+            assert x.sample.logprobs == pytest.approx(y.sample.logprobs, abs=1e-5)
+            assert x.version == y.version
+        assert engine.context_len == local.context_len and len(engine.tokenizer) == len(local.tokenizer)
+    finally:
+        local.close()
+
+
+def test_engine_process_errors_and_swaps(tmp_path, tiny_model_dir):
+    """A generate error in the child reaches the caller with its type; swaps free the replaced model in
+    the child; a dead child fails requests with EngineClosed and makes the engine not ready."""
+    from policy.sampling import ContextTooLong
+    from serving.engines.base import EngineClosed
+    from serving.engines.torch_engine import TorchEngine
+    from serving.versions import VersionRef
+
+    dirs = make_versions(tiny_model_dir, tmp_path / "versions", 2)
+    eng = TorchEngine(gateway_settings(tmp_path, dirs[0], batch_window_ms=0))
+    try:
+        eng.load(VersionRef("v0", dirs[0]))
+        ids = eng.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+        with pytest.raises(ContextTooLong):  # raised in the child by the sampler's own check
+            eng.generate_now([ids * 200], [SamplingParams(max_new_tokens=4)], timeout=60)
+        before = eng.generate_now([ids], [SamplingParams(max_new_tokens=4, seed=1)], timeout=60)[0]
+        pause = eng.load(VersionRef("v1", dirs[1]))
+        assert 0 <= pause < 1 and eng.versions() == {"production": "v1"}
+        after = eng.generate_now([ids], [SamplingParams(max_new_tokens=4, seed=1)], timeout=60)[0]
+        assert before.version == "v0" and after.version == "v1"
+        assert after.sample.logprobs != pytest.approx(before.sample.logprobs, abs=1e-6)  # other weights
+        eng._gen.send(("gen", 1, [ids], [SamplingParams(max_new_tokens=2)], False))  # slot 1 held v0
+        err = eng._inbox.recv()
+        assert err[0] == "end" and isinstance(err[1], KeyError)  # freed in the child after the swap
+        eng._proc.kill()
+        eng._proc.join(10)
+        assert not eng.ready
+        with pytest.raises(EngineClosed):
+            eng.generate_now([ids], [SamplingParams(max_new_tokens=2)], timeout=60)
+    finally:
+        eng.close()

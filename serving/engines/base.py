@@ -123,6 +123,9 @@ class Engine(ABC):
     def _handle_version(self, handle: Any) -> str:
         return handle.version
 
+    def _release(self, handle: Any) -> None:  # noqa: B027 - optional hook: most engines free nothing
+        """Worker thread: ``handle`` no longer serves any channel (replaced or dropped); no batch uses it."""
+
     # -- public ------------------------------------------------------------------------------------
     def versions(self) -> dict[str, str]:
         return {ch: self._handle_version(h) for ch, h in self._handles.items()}
@@ -160,8 +163,12 @@ class Engine(ABC):
 
         def action() -> float:
             t0 = time.perf_counter()
+            old = self._handles.get(channel)
             self._handles[channel] = self._install(channel, prepared, ref)
-            return time.perf_counter() - t0
+            pause = time.perf_counter() - t0
+            if old is not None:  # after the pause: freeing the old weights does not hold up serving
+                self._release(old)
+            return pause
 
         with self._cond:
             if self._closed:
@@ -176,8 +183,14 @@ class Engine(ABC):
 
     def drop(self, channel: str) -> None:
         fut: Future = Future()
+
+        def action() -> None:
+            old = self._handles.pop(channel, None)
+            if old is not None:
+                self._release(old)
+
         with self._cond:
-            self._queue.append(_Control(lambda: self._handles.pop(channel, None), fut))
+            self._queue.append(_Control(action, fut))
             self._cond.notify()
         fut.result()
 
