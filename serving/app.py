@@ -28,9 +28,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
+import math
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -39,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from policy.sampling import ContextTooLong, SamplingParams
 from realtime_rl.events import CompletionEvent, FeedbackEvent, SamplingRecord
@@ -46,13 +49,10 @@ from serving.chat import render_chat
 from serving.engines.base import EngineClosed, Generation, Overloaded
 from serving.gateway import Gateway, UnknownModel
 from serving.schemas import (
-    AssistantMessage,
-    ChatChoice,
     ChatChunk,
     ChatChunkChoice,
     ChatDelta,
     ChatRequest,
-    ChatResponse,
     ChoiceLogprobs,
     CompletionChoice,
     CompletionLogprobs,
@@ -93,19 +93,33 @@ def _json(model: BaseModel, headers: dict[str, str] | None = None) -> Response:
     return Response(model.model_dump_json(), media_type="application/json", headers=headers)
 
 
-class _ThenResponse(Response):
+# Response bodies of the two completion routes are built as plain dicts and encoded by the C JSON
+# encoder: same fields and order as the pydantic schemas in serving.schemas (the tests compare them),
+# without validating what the gateway itself just built.
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+_JSON_TYPE = (b"content-type", b"application/json")
+
+
+def _finite(values: list[float]) -> list[float | None]:
+    """JSON has no infinities: a -inf log-prob is sent as null (as pydantic serialises it)."""
+    return [v if math.isfinite(v) else None for v in values]
+
+
+class _ThenResponse:
     """A JSON response that runs ``after()`` once its bytes are handed to the server, whether or not the
-    client is still there: work the caller does not wait for (events, metrics) stays off its latency."""
+    client is still there: work the caller does not wait for (events, metrics) stays off its latency.
+    Sent as raw ASGI messages with the headers already encoded (no per-request header object)."""
 
-    media_type = "application/json"
+    __slots__ = ("body", "headers", "_after")
 
-    def __init__(self, content: str, headers: dict[str, str], after: Callable[[], None]) -> None:
-        super().__init__(content, headers=headers)
-        self._after = after
+    def __init__(self, body: bytes, headers: list[tuple[bytes, bytes]], after: Callable[[], None]) -> None:
+        self.body, self._after = body, after
+        self.headers = [_JSON_TYPE, (b"content-length", str(len(body)).encode()), *headers]
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            await send({"type": "http.response.body", "body": self.body})
         finally:
             self._after()
 
@@ -116,13 +130,19 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise APIError(413, f"request body of {declared} bytes exceeds the {limit}-byte limit",
                        "invalid_request_error", "request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    receive = request.receive
+    while True:  # the ASGI messages directly: Request.stream() is an async generator per request
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = msg.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise APIError(413, f"request body exceeds the {limit}-byte limit", "invalid_request_error",
                            "request_too_large")
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not msg.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _parse(model: type[BaseModel], raw: bytes):
@@ -210,6 +230,27 @@ class StreamText:
         return rest
 
 
+class _GatewayApp(FastAPI):
+    """FastAPI, with the completion routes called straight from the ASGI entry point: Starlette's
+    middleware stack (error middleware, exception middleware, exit stack, router matching, the
+    request/response wrapper) is about a tenth of a completion request's Python time on the event
+    loop (profiled), for nothing these routes use. Other routes, the lifespan, and any request under
+    a ``root_path`` take the regular path."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.direct: dict[tuple[str, str], Callable] = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and not scope.get("root_path"):
+            run = self.direct.get((scope["method"], scope["path"]))
+            if run is not None:
+                scope["app"] = self
+                await run(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
     """The FastAPI app. Without ``gateway`` one is built from settings and started with the app."""
     own = gateway is None
@@ -226,15 +267,31 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         if own:
             await asyncio.to_thread(gw.stop)
 
-    app = FastAPI(title="rtrl gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = _GatewayApp(title="rtrl gateway", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                      openapi_url=None)
     app.state.gateway = gw
 
-    def route(path: str, method: str):
+    def route(path: str, method: str, direct: bool = False):
         """Plain Starlette routes: every handler takes the Request and reads and validates its body itself,
-        so FastAPI's per-request dependency solving would only add latency."""
+        so FastAPI's per-request dependency solving would only add latency. ``direct``: also dispatched
+        by :class:`_GatewayApp` without the middleware stack (the errors are turned into responses here,
+        by the same handlers the app registers)."""
         def register(fn):
             app.add_route(path, fn, methods=[method], include_in_schema=False)
+            if direct:
+                async def run(scope, receive, send) -> None:
+                    request = Request(scope, receive, send)
+                    try:
+                        response = await fn(request)
+                    except APIError as err:
+                        response = await _api_error(request, err)
+                    except ClientDisconnect:
+                        return  # nobody to answer
+                    except Exception as err:  # noqa: BLE001 - answered 500 and logged, as by the app's handler
+                        response = await _unexpected(request, err)
+                    await response(scope, receive, send)
+
+                app.direct[(method, path)] = run
             return fn
         return register
     m = gw.metrics
@@ -359,7 +416,7 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         now = time.time()
         out = []
         for _ in range(n_choices):
-            cid = "cmpl-" + uuid.uuid4().hex
+            cid = "cmpl-" + os.urandom(16).hex()  # uuid4().hex's length and alphabet, a third of its cost
             out.append((cid, gw.tokens.issue(cid, key_id, version, now)))
         return out
 
@@ -385,7 +442,8 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
     def token_strings(ids: list[int]) -> list[str]:
         return [gw.engine.tokenizer.decode([t]) for t in ids]
 
-    def completion_logprobs(req, g: Generation) -> CompletionLogprobs | None:
+    def completion_logprobs_dict(req, g: Generation, values=list) -> dict | None:
+        """``CompletionLogprobs`` as a dict; ``values`` maps the log-prob list (``_finite`` for raw JSON)."""
         if req.logprobs is None:
             return None
         toks = token_strings(g.sample.token_ids)
@@ -393,21 +451,34 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         for t in toks:
             offsets.append(pos)
             pos += len(t)
-        return CompletionLogprobs(tokens=toks, token_logprobs=g.sample.logprobs, text_offset=offsets,
-                                  top_logprobs=[{t: v} for t, v in zip(toks, g.sample.logprobs, strict=True)]
-                                  if req.logprobs > 0 else None)
+        lps = values(g.sample.logprobs)
+        return {"tokens": toks, "token_logprobs": lps,
+                "top_logprobs": [{t: v} for t, v in zip(toks, lps, strict=True)] if req.logprobs > 0 else None,
+                "text_offset": offsets}
 
-    def chat_logprobs(req, g: Generation) -> ChoiceLogprobs | None:
+    def chat_logprobs_dict(req, g: Generation, values=list) -> dict | None:
+        """``ChoiceLogprobs`` as a dict (see :func:`completion_logprobs_dict`)."""
         if not req.logprobs:
             return None
         toks = token_strings(g.sample.token_ids)
-        return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=v, bytes=list(t.encode()), top_logprobs=[])
-                                       for t, v in zip(toks, g.sample.logprobs, strict=True)])
+        return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, v in zip(toks, values(g.sample.logprobs), strict=True)]}
 
-    def usage(gens: list[Generation], prompts: list[list[int]]) -> Usage:
+    def completion_logprobs(req, g: Generation) -> CompletionLogprobs | None:
+        d = completion_logprobs_dict(req, g)
+        return None if d is None else CompletionLogprobs(**d)
+
+    def chat_logprobs(req, g: Generation) -> ChoiceLogprobs | None:
+        d = chat_logprobs_dict(req, g)
+        return None if d is None else ChoiceLogprobs(content=[TokenLogprob(**t) for t in d["content"]])
+
+    def usage_dict(gens: list[Generation], prompts: list[list[int]]) -> dict[str, int]:
         pt = sum(len(p) for p in prompts)
         ct = sum(len(g.sample.token_ids) for g in gens)
-        return Usage(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
+        return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
+
+    def usage(gens: list[Generation], prompts: list[list[int]]) -> Usage:
+        return Usage(**usage_dict(gens, prompts))
 
     ok = {r: (m.requests.labels(r, "200"), m.latency.labels(r)) for r in ("/v1/completions", "/v1/chat/completions")}
 
@@ -418,18 +489,19 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         m.overhead.observe(max(0.0, total - engine_s))
         m.engine_queue.set(gw.engine.queue_depth)
 
-    def timing(t_start: float, engine_s: float, gens: list[Generation]) -> tuple[float, dict[str, str]]:
+    def timing(t_start: float, engine_s: float, gens: list[Generation]) -> tuple[float, list[tuple[bytes, bytes]]]:
         """Time so far and the diagnostic headers: the gateway's time outside the engine, the time from
         submit to result (queue + generate), and the engine's own generate time for this request."""
         total = time.perf_counter() - t_start
         gen_ms = max(g.engine_ms for g in gens)
-        return total, {"x-rtrl-overhead-ms": f"{(total - engine_s) * 1000:.3f}",
-                       "x-rtrl-engine-ms": f"{engine_s * 1000:.3f}", "x-rtrl-generate-ms": f"{gen_ms:.3f}"}
+        return total, [(b"x-rtrl-overhead-ms", b"%.3f" % ((total - engine_s) * 1000)),
+                       (b"x-rtrl-engine-ms", b"%.3f" % (engine_s * 1000)), (b"x-rtrl-generate-ms", b"%.3f" % gen_ms)]
 
-    def respond(route: str, body: BaseModel, t_start: float, engine_s: float, key_id: str, req,
+    def respond(route: str, body: dict, t_start: float, engine_s: float, key_id: str, req,
                 gens: list[Generation], prompt_texts: list[str], max_new: int,
-                ids: list[tuple[str, str]]) -> Response:
+                ids: list[tuple[str, str]]) -> _ThenResponse:
         """The response; its completion events and metrics follow once it is sent."""
+        raw = _dumps(body).encode()
         total, headers = timing(t_start, engine_s, gens)
         gw.emitter.reserve(len(gens))  # counted as pending from now: wait_idle() cannot miss them
 
@@ -440,7 +512,7 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
             except Exception:  # noqa: BLE001 - the response is out; never lose the others' events over it
                 log.exception("recording a completion after its response failed")
 
-        return _ThenResponse(body.model_dump_json(), headers, after)
+        return _ThenResponse(raw, headers, after)
 
     def sse(obj: BaseModel | str) -> bytes:
         data = obj if isinstance(obj, str) else obj.model_dump_json(exclude_none=False)
@@ -532,7 +604,7 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
 
         @staticmethod
         def new_id() -> str:
-            return "cmpl-" + uuid.uuid4().hex[:24]
+            return "cmpl-" + os.urandom(12).hex()
 
         @staticmethod
         def _body(rid, created, model, choices, usage=None):
@@ -559,7 +631,7 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
 
         @staticmethod
         def new_id() -> str:
-            return "chatcmpl-" + uuid.uuid4().hex[:24]
+            return "chatcmpl-" + os.urandom(12).hex()
 
         @staticmethod
         def _chunk(rid, created, model, i, cid, token, delta, finish_reason=None, lp=None):
@@ -584,7 +656,7 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         def usage(self, rid, created, model, u):
             return ChatChunk(id=rid, created=created, model=model, choices=[], usage=u)
 
-    @route("/v1/completions", "POST")
+    @route("/v1/completions", "POST", direct=True)
     async def completions(request: Request):
         t_start = time.perf_counter()
         route = "/v1/completions"
@@ -595,15 +667,15 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
             return await stream(key_id, req, route, prompts, texts, req.max_tokens, t_start, CompletionChunks(req))
         gens, engine_s, max_new = await generate(key_id, req, prompts, req.max_tokens)
         ids = attribution(key_id, len(gens), gens[0].version)
-        choices = [CompletionChoice(index=idx, text=g.sample.text, logprobs=completion_logprobs(req, g),
-                                    finish_reason=g.sample.finish_reason, completion_id=cid, feedback_token=token)
+        choices = [{"index": idx, "text": g.sample.text, "logprobs": completion_logprobs_dict(req, g, _finite),
+                    "finish_reason": g.sample.finish_reason, "completion_id": cid, "feedback_token": token}
                    for idx, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True))]
-        body = CompletionResponse(id=CompletionChunks.new_id(), created=int(time.time()),
-                                  model=f"{gw.model_name}@{gens[0].version}", choices=choices,
-                                  usage=usage(gens, prompts))
+        body = {"id": CompletionChunks.new_id(), "object": "text_completion", "created": int(time.time()),
+                "model": f"{gw.model_name}@{gens[0].version}", "choices": choices,
+                "usage": usage_dict(gens, prompts), "system_fingerprint": None}
         return respond(route, body, t_start, engine_s, key_id, req, gens, texts, max_new, ids)
 
-    @route("/v1/chat/completions", "POST")
+    @route("/v1/chat/completions", "POST", direct=True)
     async def chat_completions(request: Request):
         t_start = time.perf_counter()
         route = "/v1/chat/completions"
@@ -616,11 +688,13 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
             return await stream(key_id, req, route, prompts, [text], max_tokens, t_start, ChatChunks(req))
         gens, engine_s, max_new = await generate(key_id, req, prompts, max_tokens)
         ids = attribution(key_id, len(gens), gens[0].version)
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=g.sample.text), logprobs=chat_logprobs(req, g),
-                              finish_reason=g.sample.finish_reason, completion_id=cid, feedback_token=token)
+        choices = [{"index": i, "message": {"role": "assistant", "content": g.sample.text},
+                    "logprobs": chat_logprobs_dict(req, g, _finite), "finish_reason": g.sample.finish_reason,
+                    "completion_id": cid, "feedback_token": token}
                    for i, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True))]
-        body = ChatResponse(id=ChatChunks.new_id(), created=int(time.time()), model=f"{gw.model_name}@{gens[0].version}",
-                            choices=choices, usage=usage(gens, prompts))
+        body = {"id": ChatChunks.new_id(), "object": "chat.completion", "created": int(time.time()),
+                "model": f"{gw.model_name}@{gens[0].version}", "choices": choices,
+                "usage": usage_dict(gens, prompts), "system_fingerprint": None}
         return respond(route, body, t_start, engine_s, key_id, req, gens, [text], max_new, ids)
 
     @route("/v1/models", "GET")

@@ -229,3 +229,24 @@ def test_revoked_key_rate_limit_and_overload(live):
     ready = httpx.get(server.url + "/readyz").json()
     assert ready["status"] == "ready" and ready["versions"]["production"]
     assert json.loads(post(server, "/v1/completions", alice, good).text)["choices"]
+
+
+def test_response_bodies_are_exactly_the_schemas_serialisation(live):
+    """The completion routes build their JSON without pydantic: it must be what the schemas would send
+    (same fields, order and values), with log-probs and several choices."""
+    from serving.schemas import ChatResponse, CompletionResponse
+
+    server, _, alice, _ = live
+    r = post(server, "/v1/completions", alice, {"model": "tiny-coder", "prompt": [PROMPT, "x = "], "n": 2,
+                                                "max_tokens": 4, "seed": 3, "logprobs": 1})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert CompletionResponse.model_validate_json(r.content).model_dump_json().encode() == r.content
+    assert len(r.json()["choices"]) == 4 and r.json()["choices"][0]["logprobs"]["top_logprobs"]
+    assert float(r.headers["x-rtrl-overhead-ms"]) >= 0 and float(r.headers["x-rtrl-generate-ms"]) > 0
+    for logprobs in (True, False):
+        r = post(server, "/v1/chat/completions", alice, {"model": "tiny-coder", "max_tokens": 4, "seed": 4,
+                                                         "logprobs": logprobs,
+                                                         "messages": [{"role": "user", "content": PROMPT}]})
+        assert r.status_code == 200
+        assert ChatResponse.model_validate_json(r.content).model_dump_json().encode() == r.content
+        assert (r.json()["choices"][0]["logprobs"] is not None) == logprobs
