@@ -16,6 +16,12 @@ forked child that, before touching the program:
 * ``inprocess`` mode (fallback without privileges): an audit hook, which Python code cannot remove,
   refuses sockets, process creation and any ``open`` outside the child's fresh directory.
 
+In ``namespace`` mode the run directories live on a size-capped tmpfs (``SCRATCH_MB``) mounted in
+the zygote's own mount namespace: the host never sees it, it vanishes with the zygote, a program
+cannot fill the host's disk, and creating and removing a run directory costs ~0.03 ms instead of
+~1.5 ms on the disk. A child costs one fork; the uid sweep (a second fork) runs only when something
+outlived the program (see ``_has_children``).
+
 The zygote receives only the program, the entry point and the test *inputs*; expected outputs never
 leave the parent, which compares the values this child reports. So a program that patches a
 comparison, exits early with status 0 or prints "all tests passed" gains nothing: a test passes only
@@ -30,6 +36,7 @@ import collections  # noqa: F401
 import contextlib
 import ctypes
 import functools  # noqa: F401
+import gc
 import heapq  # noqa: F401
 import itertools  # noqa: F401
 import json
@@ -50,6 +57,12 @@ import tempfile
 import time
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+MNT_DETACH = 0x2
+SCRATCH_MB = 256
+"""Size of the run directories' tmpfs: the files all runs of one zygote may hold at once (a program
+exceeding it gets ENOSPC, like a full disk)."""
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_CHILD_SUBREAPER = 36
 UID_BASE = 200_000
@@ -87,6 +100,24 @@ def _setup_isolation(requested: str) -> tuple[str, str]:
     if requested == "namespace":
         raise SystemExit(f"namespace isolation requested but unavailable: {reason}")
     return "inprocess", reason
+
+
+def _private_scratch() -> str | None:
+    """A tmpfs for the run directories, mounted in a mount namespace of the zygote's own; None
+    (the caller uses the host's temp directory) when that is unavailable."""
+    _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        return None
+    # Without private propagation the mount below would appear in the host's namespace too.
+    if _libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return None
+    base = tempfile.mkdtemp(prefix="rtrl-sandbox-")
+    opts = f"size={SCRATCH_MB}m,mode=0711".encode()
+    if _libc.mount(b"tmpfs", base.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts) != 0:
+        os.rmdir(base)
+        return None
+    return base
 
 
 def _audit_guard(root: str):
@@ -219,6 +250,23 @@ def _sweep(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
+def _has_children() -> bool:
+    """Whether any process outlived the program's main process.
+
+    The zygote is the child subreaper, so when a process of the program dies its children are
+    re-parented to the nearest living ancestor, and that chain always ends at the zygote: every
+    surviving descendant (one that left the process group with setsid included) is, or descends
+    from, a child of the zygote. The program's uid is the zygote's own (``UID_BASE + pid``) and
+    only the program's tree ever runs under it, so "the zygote has no child" means "no process of
+    that uid exists", and the sweep (a fork, ~1 ms of CPU per program) can be skipped. Any child,
+    live or zombie, means something was left: the caller sweeps as before."""
+    try:
+        os.waitpid(-1, os.WNOHANG)  # reaps one zombie if there is one: it still counts as left over
+    except ChildProcessError:
+        return False
+    return True
+
+
 def _reap_orphans(deadline_s: float = 1.0) -> None:
     """As child subreaper the zygote adopts orphaned grandchildren. After the sweep they are all
     dying; wait for them (bounded) so that no zombie of the program's uid outlives the run."""
@@ -284,7 +332,7 @@ def _run(req, base: str, mode: str, uid: int):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-    if mode == "namespace":
+    if mode == "namespace" and _has_children():
         _sweep(uid)
     _reap_orphans()
     shutil.rmtree(workdir, ignore_errors=True)
@@ -301,11 +349,27 @@ def _run(req, base: str, mode: str, uid: int):
             "wall_s": time.monotonic() - t0}
 
 
+def _warm_up() -> None:
+    """Do once here what every forked child would otherwise redo on its own copy-on-write pages.
+
+    The first ``compile()`` in an interpreter builds the ~100 AST node types (PyAST_Check runs on
+    every call): measured ~1 ms of a child's ~3 ms CPU. ``gc.freeze()`` then moves everything the
+    zygote holds to the permanent generation, so a collection in a child does not walk (and write,
+    hence copy) the zygote's objects."""
+    compile("pass", "<warm-up>", "exec")
+    gc.collect()
+    gc.freeze()
+
+
 def main() -> None:
     requested = sys.argv[1] if len(sys.argv) > 1 else "auto"
     mode, reason = _setup_isolation(requested)
     uid = UID_BASE + os.getpid()
-    base = tempfile.mkdtemp(prefix="rtrl-sandbox-")
+    _warm_up()
+    scratch = _private_scratch() if mode == "namespace" else None
+    base = scratch or tempfile.mkdtemp(prefix="rtrl-sandbox-")
+    if scratch is not None:
+        reason += f", run directories on a private {SCRATCH_MB} MiB tmpfs"
     os.chmod(base, 0o711)  # the dropped uid may enter its own run directory, not list others
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     # Nothing but frames may reach stdout.
@@ -323,6 +387,10 @@ def main() -> None:
             _write_frame(stdout, reply)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        if scratch is not None:  # the host side is an empty mount point: remove it too
+            _libc.umount2(scratch.encode(), MNT_DETACH)
+            with contextlib.suppress(OSError):
+                os.rmdir(scratch)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,22 @@ def test_fork_bomb(sandbox):
     assert sandbox.run("def f(x):\n    return 3*x+1\n", "f", TESTS).all_passed
 
 
+def test_process_left_behind_by_a_clean_run_is_killed(sandbox):
+    # Every answer right, a clean exit in time, but a detached process (own session: the process-group
+    # kill misses it; result pipe closed: the zygote does not wait for it) is left running. The
+    # zygote skips its uid sweep only when nothing outlived the program, so it must notice this one.
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    os.close(3)\n    time.sleep(30)\n"
+            "    os._exit(0)\ndef f(x):\n    return 3*x+1\n")
+    t0 = time.monotonic()
+    r = sandbox.run(code, "f", TESTS)
+    if sandbox.isolation == "namespace":
+        assert r.all_passed and not r.killed
+        assert time.monotonic() - t0 < 1.0  # it did not wait for the wall-clock limit
+        assert processes_of_uid(UID_BASE + sandbox._proc.pid) == []
+    else:
+        assert r.n_passed == 0  # the audit hook refuses the fork
+
+
 def test_memory_hog(sandbox):
     code = "def f(x):\n    blocks = []\n    while True:\n        blocks.append(bytearray(50 * 2**20))\n"
     assert reward_of(sandbox, code) == 0.0
@@ -169,8 +185,12 @@ def test_write_outside_its_directory(sandbox, tmp_path):
     # fallback the audit hook refuses it. Either way nothing lands next to the run directories.
     code = "def f(x):\n    open('../../escape.txt', 'w').write('x')\n    return 3*x+1\n"
     sandbox.run(code, "f", TESTS)
-    assert not list(Path(tempfile.gettempdir()).glob("rtrl-sandbox-*/escape.txt"))
-    assert not (Path(tempfile.gettempdir()) / "escape.txt").exists()
+    # Seen from the host and from the zygote (in namespace mode its run directories are on a tmpfs
+    # mounted in its own mount namespace, which only /proc/PID/root shows).
+    tmp = tempfile.gettempdir()
+    for view in (Path(tmp), Path(f"/proc/{sandbox._proc.pid}/root") / tmp.lstrip("/")):
+        assert not list(view.glob("rtrl-sandbox-*/escape.txt"))
+        assert not (view / "escape.txt").exists()
     # Writing inside its own fresh directory is allowed, and the directory is gone afterwards.
     inside = "def f(x):\n    open('scratch.txt', 'w').write(str(x))\n    return 3*x+1\n"
     assert sandbox.run(inside, "f", TESTS).all_passed
