@@ -194,6 +194,37 @@ def _released_since(engine, since_iso: str) -> list[dict[str, Any]]:
             if r["decision"] == "released" and _as_utc(r["created_at"]) >= since]
 
 
+class _SwapLag:
+    """Notices a gateway that keeps serving an old version after the registry's production moved on.
+
+    The watcher polls every few seconds, so a lag of ``limit_s`` means it is failing or stuck: the
+    watcher's last error and every thread's stack go to the log once, so the cause is on record."""
+
+    def __init__(self, gateway, log: Callable[[str], None], limit_s: float = 45.0) -> None:
+        self.gateway, self.log, self.limit_s = gateway, log, limit_s
+        self.since: float | None = None
+        self.reported: set[str] = set()
+
+    def check(self, production: str | None) -> None:
+        live = self.gateway.engine.versions().get("production")
+        if production is None or production == live:
+            self.since = None
+            return
+        now = time.monotonic()
+        self.since = self.since or now
+        if now - self.since < self.limit_s or production in self.reported:
+            return
+        import faulthandler
+        import sys
+
+        self.reported.add(production)
+        watcher = self.gateway.watcher
+        self.log(f"online: registry production is {production} but the gateway still serves {live} after "
+                 f"{now - self.since:.0f} s (watcher alive={watcher.alive}, last error: "
+                 f"{watcher.last_error}); thread stacks follow on stderr")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
 def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], started: str,
                  state: DemoState) -> dict[str, Any]:
     from tqdm import tqdm
@@ -220,7 +251,12 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
     tasks = generate_tasks(s.tasks.seed, s.tasks.heldout_fraction).train
     stop = threading.Event()
     server = GatewayServer(s).start()
-    log(f"online: gateway on {server.url} serving {s.model.name}@{first_production}")
+    live = server.gateway.engine.versions().get("production")
+    log(f"online: gateway on {server.url} serving {s.model.name}@{live} "
+        f"(source {type(server.gateway.source).__name__})")
+    if live != first_production:
+        server.stop()
+        raise DemoError(f"online: the gateway serves {live}, not the registry's production {first_production}")
     ingester = Ingester(s)
     ingest_thread = threading.Thread(target=ingester.run, kwargs={"stop_event": stop}, name="demo-ingest",
                                      daemon=True)
@@ -247,13 +283,16 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
     deadline = time.monotonic() + plan.online_budget_s
     bar = tqdm(total=plan.releases, desc="online releases", dynamic_ncols=True)
     released: list[dict[str, Any]] = []
+    lag = _SwapLag(server.gateway, log)
     try:
         while time.monotonic() < deadline:
             released = _released_since(engine, started)
+            production = registry.channel("production")
             bar.n = min(len(released), plan.releases)
-            bar.set_postfix(requests=traffic.requests, production=(registry.channel("production") or "")[:10])
+            bar.set_postfix(requests=traffic.requests, production=(production or "")[:10])
             bar.refresh()
             record_swaps()
+            lag.check(production)
             if len(released) >= plan.releases:
                 break
             if not traffic.is_alive():

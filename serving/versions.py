@@ -172,6 +172,10 @@ class VersionWatcher:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def poke(self) -> None:
         """Poll now instead of at the next interval (a `model_version` event arrived)."""
         self._wake.set()
