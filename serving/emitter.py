@@ -57,6 +57,7 @@ class EventEmitter:
         self._idle = threading.Event()
         self.bus_up = False
         self._reserved = 0  # events promised by responses already sent, emitted right after (see reserve)
+        self._inflight = 0  # taken off the queue by the sender thread, not yet acknowledged nor spilled
         self._reserved_lock = threading.Lock()  # never the spill lock: a replay holds that one for long
         self.sent = 0
         self.replayed = 0
@@ -93,8 +94,8 @@ class EventEmitter:
 
     @property
     def pending(self) -> int:
-        """Events not yet acknowledged by the bus (reserved + queued + spilled)."""
-        return self._reserved + self._queue.qsize() + self._spilled
+        """Events not yet acknowledged by the bus (reserved + queued + in the sender's hands + spilled)."""
+        return self._reserved + self._queue.qsize() + self._inflight + self._spilled
 
     def start(self) -> None:
         self._thread.start()
@@ -207,45 +208,58 @@ class EventEmitter:
         retry_at = 0.0
         while not self._stop.is_set():
             try:
-                first = self._queue.get(timeout=0.05)
-                items = [first]
-                # Let a burst accumulate: one bus flush (an fsync on the embedded log) per batch, not per
-                # event, and less CPU taken from requests in flight.
-                if self._linger_s and self._queue.qsize() < self._batch:
-                    time.sleep(self._linger_s)
-            except queue.Empty:
-                items = []
-            while items and len(items) < self._batch:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            if not self.bus_up and time.monotonic() < retry_at:
-                if items:
-                    self._spill(items)
-                continue
+                retry_at = self._step(retry_at)
+            finally:
+                self._inflight = 0
+
+    def _step(self, retry_at: float) -> float:
+        """One batch: take what is queued, send it (or spill it); returns the next retry time."""
+        try:
+            first = self._queue.get(timeout=0.05)
+            # In flight from here on, so `pending` (what callers wait on) never misses an event the
+            # sender holds, e.g. during the linger below.
+            self._inflight = 1
+            items = [first]
+            # Let a burst accumulate: one bus flush (an fsync on the embedded log) per batch, not per
+            # event, and less CPU taken from requests in flight.
+            if self._linger_s and self._queue.qsize() < self._batch:
+                time.sleep(self._linger_s)
+        except queue.Empty:
+            items = []
+        while items and len(items) < self._batch:
             try:
-                if self._spilled or not self.bus_up:
-                    self._replay_spill()
-                if items:
-                    self._send(items)
-                    self.sent += len(items)
-                if not self.bus_up:
-                    log.info("event bus reachable")
-                self.bus_up = True
-                if self.metrics is not None:
-                    self.metrics.bus_up.set(1)
-                    self.metrics.event_queue.set(self._queue.qsize())
-            except BusUnavailable as err:
-                self._bus_down(err)
-                retry_at = time.monotonic() + self._retry_s
-                if items:
-                    self._spill(items)
-            except Exception as err:  # noqa: BLE001 - unexpected: keep the events, keep the thread
-                log.exception("event sender error; spilling")
-                self._bus_down(err)
-                retry_at = time.monotonic() + self._retry_s
-                if items:
-                    self._spill(items)
-            if not items and self._queue.empty() and self.bus_up:
-                self._idle.set()
+                items.append(self._queue.get_nowait())
+                self._inflight += 1
+            except queue.Empty:
+                break
+        if not self.bus_up and time.monotonic() < retry_at:
+            if items:
+                self._spill(items)
+            return retry_at
+        try:
+            if self._spilled or not self.bus_up:
+                self._replay_spill()
+            if items:
+                self._send(items)
+                self.sent += len(items)
+            if not self.bus_up:
+                log.info("event bus reachable")
+            self.bus_up = True
+            if self.metrics is not None:
+                self.metrics.bus_up.set(1)
+                self.metrics.event_queue.set(self._queue.qsize())
+        except BusUnavailable as err:
+            self._bus_down(err)
+            retry_at = time.monotonic() + self._retry_s
+            if items:
+                self._spill(items)
+        except Exception as err:  # noqa: BLE001 - unexpected: keep the events, keep the thread
+            log.exception("event sender error; spilling")
+            self._bus_down(err)
+            retry_at = time.monotonic() + self._retry_s
+            if items:
+                self._spill(items)
+        self._inflight = 0  # acknowledged, or counted in _spilled
+        if not items and self._queue.empty() and self.bus_up:
+            self._idle.set()
+        return retry_at

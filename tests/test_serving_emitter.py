@@ -59,3 +59,33 @@ def test_full_queue_spills_and_spill_is_replayed_at_start(tmp_path):
     ids = sorted(e.completion_id for e in read_events(bus))
     assert ids == sorted(f"cmpl-{i}" for i in range(12))
     assert again.corrupt_spill_lines == 1
+
+
+def test_pending_counts_events_the_sender_holds(tmp_path):
+    """An event taken off the queue is pending until the bus acknowledged it (waiters on `pending`,
+    e.g. the gateway benchmark between calls, must not see 0 while it is being sent)."""
+    import threading
+
+    release, sending = threading.Event(), threading.Event()
+    sent: list[bytes] = []
+
+    class SlowProducer:
+        def send(self, topic, value, key=None):
+            sending.set()
+            release.wait(10)
+            sent.append(value)
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    em = EventEmitter("events", tmp_path / "spill", SlowProducer, linger_s=0)
+    em.start()
+    em.emit(_event(1))
+    assert sending.wait(10)
+    assert em._queue.qsize() == 0 and em.pending == 1 and not em.wait_idle(0.2)
+    release.set()
+    assert em.wait_idle(10) and em.pending == 0 and len(sent) == 1
+    em.stop()
