@@ -457,7 +457,9 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
     try:
         with metrics_path.open("a") as mlog:
             while trainer.step < cfg.steps:
-                t0 = time.perf_counter()
+                # CPU seconds beside wall seconds: on a shared machine they tell work from waiting for
+                # a core (the rollout side's sandbox children are not counted in either).
+                t0, c0 = time.perf_counter(), time.process_time()
                 if rollouts is None:
                     trainer.model.eval()
                     sync_backend.version = trainer.version
@@ -467,6 +469,7 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
                                          reward_fn=reward_fn)
                     trainer.model.train()
                     batch_version, gen_s, wait_s = trainer.version, time.perf_counter() - t0, 0.0
+                    gen_cpu_s = time.process_time() - c0
                 else:
                     batch = rollouts.get()
                     wait_s = time.perf_counter() - t0
@@ -475,16 +478,18 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
                         state["dropped_stale"] += 1
                         continue
                     trajs, batch_version, gen_s = batch.trajectories, batch.version, batch.gen_s
+                    gen_cpu_s = batch.info.get("cpu_s", 0.0)
                 staleness = trainer.version - batch_version
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.process_time()
                 m = trainer.train_on(trajs, staleness=staleness)
-                train_s = time.perf_counter() - t1
+                train_s, train_cpu_s = time.perf_counter() - t1, time.process_time() - c1
                 if rollouts is not None and m.get("updated"):
                     rollouts.publish(trainer.model, trainer.version)
                 state["zero_variance_groups"] += m.get("zero_variance_groups", 0)
                 rec = {"step": trainer.step, "version": trainer.version, "batch_version": batch_version,
                        "staleness": staleness, **_batch_metrics(trajs), **m, "gen_s": round(gen_s, 4),
                        "wait_s": round(wait_s, 4), "train_s": round(train_s, 4),
+                       "gen_cpu_s": round(gen_cpu_s, 4), "train_cpu_s": round(train_cpu_s, 4),
                        "step_s": round(time.perf_counter() - t0, 4), "dropped_stale": state["dropped_stale"],
                        "zero_variance_groups_total": state["zero_variance_groups"],
                        "judge_errors": reward_fn.judge_errors, "time": round(time.perf_counter() - t_start, 2)}

@@ -107,12 +107,13 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, live: list[str], versio
                     snapshot = {k: shared[k].clone() for k in names}
                 backend.load_weights(snapshot, v)
                 local = v
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             batch_tasks = sample_tasks(tasks, cfg.prompts_per_batch, rng)
             trajs = run_episodes(backend, tok, env, batch_tasks, cfg.group_size, cfg.temperature,
                                  cfg.max_new_tokens, seed=rng.randrange(1 << 30), reward_fn=reward_fn)
             batch = RolloutBatch(version=local, trajectories=trajs, gen_s=time.perf_counter() - t0,
-                                 worker=cfg.worker_id, tokens=sum(t.n_policy_tokens for t in trajs))
+                                 worker=cfg.worker_id, tokens=sum(t.n_policy_tokens for t in trajs),
+                                 info={"cpu_s": time.process_time() - c0})
             while not stop.is_set() and not orphaned():
                 try:
                     out_q.put(batch, timeout=0.2)
