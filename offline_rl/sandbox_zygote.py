@@ -47,14 +47,25 @@ import random  # noqa: F401
 import re  # noqa: F401
 import resource
 import select
-import shutil
 import signal
 import socket  # noqa: F401  (so that the network test exercises the namespace, not an ImportError)
 import string  # noqa: F401
 import struct
 import sys
-import tempfile
 import time
+
+# shutil imports zlib, bz2 and lzma when it can (for archives, unused here): three extension modules
+# and their shared libraries, ~30 memory mappings that every fork copies and every child faults on.
+# Hide them while it imports; programs never had them on purpose.
+_ARCHIVERS = ("zlib", "bz2", "_bz2", "lzma", "_lzma")
+for _name in _ARCHIVERS:
+    sys.modules.setdefault(_name, None)  # type: ignore[assignment]
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+for _name in _ARCHIVERS:
+    if sys.modules.get(_name, 0) is None:
+        del sys.modules[_name]
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWNS = 0x00020000
@@ -192,10 +203,6 @@ def _child(req, workdir: str, mode: str, uid: int, write_fd: int) -> None:
         while data:
             data = data[write(RESULT_FD, data):]
 
-    def on_alarm(signum, frame):
-        raise _TestTimeout()
-
-    signal.signal(signal.SIGALRM, on_alarm)
     namespace = {"__name__": "__sandbox__", "__builtins__": __builtins__}
     try:
         code = compile(req["code"], "<program>", "exec")
@@ -352,14 +359,20 @@ def _run(req, base: str, mode: str, uid: int):
             "wall_s": time.monotonic() - t0}
 
 
+def _on_alarm(signum, frame):
+    raise _TestTimeout()
+
+
 def _warm_up() -> None:
     """Do once here what every forked child would otherwise redo on its own copy-on-write pages.
 
     The first ``compile()`` in an interpreter builds the ~100 AST node types (PyAST_Check runs on
-    every call): measured ~1 ms of a child's ~3 ms CPU. ``gc.freeze()`` then moves everything the
+    every call): measured ~1 ms of a child's ~3 ms CPU. The SIGALRM handler a child needs is set
+    here too (no timer is ever armed in the zygote). ``gc.freeze()`` then moves everything the
     zygote holds to the permanent generation, so a collection in a child does not walk (and write,
     hence copy) the zygote's objects."""
     compile("pass", "<warm-up>", "exec")
+    signal.signal(signal.SIGALRM, _on_alarm)
     gc.collect()
     gc.freeze()
 
