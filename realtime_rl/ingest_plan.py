@@ -18,7 +18,8 @@ rows are encoded too, without the ingestion time (the transaction adds it):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -61,6 +62,9 @@ class BatchPlan:
     completion_rows: list[tuple] = field(default_factory=list)
     feedback_rows: list[tuple] = field(default_factory=list)
     """SQLite's encoded rows, in the order of ``completions`` / ``feedback`` (PostgreSQL's: ``pg_rows``)."""
+    pg_encoded: dict[str, list[tuple]] = field(default_factory=dict, repr=False)
+    """PostgreSQL rows encoded so far per table (a prefix, in order): see ``pg_rows``, ``encode_ahead``."""
+    pg_todo: dict[str, Iterator[Decoded]] = field(default_factory=dict, repr=False)
 
 
 def staging_for(dialect: sa.Dialect, use_copy: bool, n_events: int) -> str | None:
@@ -107,13 +111,48 @@ def plan_batch(items: Sequence[Decoded], dialect: sa.Dialect, *, use_copy: bool 
 
 
 def pg_rows(plan: BatchPlan, table: str) -> Iterator[tuple]:
-    """PostgreSQL's typed rows for ``table``, encoded as they are consumed. The writer encodes them
-    while it streams them to COPY, so that the encoding overlaps the server's work on the rows already
-    sent, instead of adding to the main thread's (measured: the main thread, decoding, had become the
-    pipeline's slower stage)."""
+    """PostgreSQL's typed rows for ``table``: those ``encode_ahead`` prepared, then the rest, encoded
+    as they are consumed. The writer streams them to COPY, so that encoding the rest overlaps the
+    server's work on the rows already sent. Encoded rows are kept: the fallback path reads them again."""
+    done, todo = _pg_state(plan, table)
+    yield from done
+    encode = _encoder(plan, table)
+    for item in todo:
+        row = encode(item)
+        done.append(row)
+        yield row
+
+
+def encode_ahead(plan: BatchPlan, rows: int) -> bool:
+    """Encode up to ``rows`` more PostgreSQL rows of ``plan`` before its transaction starts; False
+    once none are left. The ingester calls it while it waits for the previous batch's commit: on the
+    PostgreSQL path the commit thread (COPY, then the server) is the slower stage, and encoding on
+    it delays the rows the server is waiting for, while the main thread would otherwise sit idle."""
+    if plan.staging != "postgresql":
+        return False
+    for table in ("completions", "feedback"):
+        done, todo = _pg_state(plan, table)
+        encode = _encoder(plan, table)
+        for item in itertools.islice(todo, rows):
+            done.append(encode(item))
+            rows -= 1
+        if rows <= 0:
+            return True
+    return False
+
+
+def _pg_state(plan: BatchPlan, table: str) -> tuple[list[tuple], Iterator[Decoded]]:
+    if table not in plan.pg_todo:
+        plan.pg_todo[table] = iter((plan.completions if table == "completions" else plan.feedback).values())
+        plan.pg_encoded[table] = []
+    return plan.pg_encoded[table], plan.pg_todo[table]
+
+
+def _encoder(plan: BatchPlan, table: str) -> Callable[[Decoded], tuple]:
     if table == "completions":
-        return (_completion_pg(i.event) for i in plan.completions.values())
-    return (_feedback_pg(i.event, i.event.event_id in plan.newest) for i in plan.feedback.values())
+        return lambda item: _completion_pg(item.event)
+    newest = plan.newest
+    return lambda item: _feedback_pg(item.event, item.event.event_id in newest)
 
 
 def newest_in_batch(events: list[FeedbackEvent]) -> set[str]:

@@ -1,0 +1,66 @@
+"""PostgreSQL COPY rows of a batch plan: rows encoded ahead (while the previous batch commits), rows
+encoded as COPY streams them, and rows read a second time (the fallback after a unique violation)
+are the same rows, in the same order."""
+
+from __future__ import annotations
+
+import itertools
+
+from sqlalchemy.dialects import postgresql, sqlite
+
+from realtime_rl.bus.base import Record
+from realtime_rl.event_samples import sample_stream
+from realtime_rl.ingest_decode import decode_record
+from realtime_rl.ingest_plan import encode_ahead, pg_rows, plan_batch
+
+TABLES = ("completions", "feedback")
+
+
+def _decoded(n: int = 700):
+    stream = sample_stream(n, seed=2, revise_rate=0.3)  # event ids are random: decode once per test
+    return [decode_record(Record("t", 0, i, k, v, 0), 1_000_000) for i, (k, v) in enumerate(stream.messages)]
+
+
+def _pg_plan(decoded):
+    plan = plan_batch(decoded, postgresql.psycopg.dialect())
+    assert plan.staging == "postgresql"
+    return plan
+
+
+def test_rows_encoded_ahead_then_streamed_are_the_rows_streamed_alone() -> None:
+    decoded = _decoded()
+    expected = {t: list(pg_rows(_pg_plan(decoded), t)) for t in TABLES}
+    n_completions = len(expected["completions"])
+    assert n_completions > 200 and len(expected["feedback"]) > 200
+    assert len({r[0] for r in expected["completions"]}) == n_completions  # one row per completion id
+    assert any(r[-1] for r in expected["feedback"]) and not all(r[-1] for r in expected["feedback"])  # is_latest
+
+    # Stop part-way into feedback: both tables hold a mix of rows encoded ahead and rows left to encode.
+    plan = _pg_plan(decoded)
+    ahead = 0
+    while ahead < n_completions + 50:
+        assert encode_ahead(plan, 64)
+        ahead += 64
+    assert len(plan.pg_encoded["completions"]) == n_completions
+    assert 0 < len(plan.pg_encoded["feedback"]) < len(expected["feedback"])
+    assert {t: list(pg_rows(plan, t)) for t in TABLES} == expected
+    assert {t: list(pg_rows(plan, t)) for t in TABLES} == expected  # read again: the same rows
+    assert not encode_ahead(plan, 64)
+
+
+def test_a_copy_abandoned_midway_leaves_every_row_for_the_next_read() -> None:
+    decoded = _decoded()
+    expected = {t: list(pg_rows(_pg_plan(decoded), t)) for t in TABLES}
+    plan = _pg_plan(decoded)
+    for t in TABLES:
+        assert list(itertools.islice(pg_rows(plan, t), 37)) == expected[t][:37]  # the COPY failed here
+    assert {t: list(pg_rows(plan, t)) for t in TABLES} == expected
+
+
+def test_nothing_is_encoded_ahead_for_other_write_paths() -> None:
+    decoded = _decoded()
+    for plan in (plan_batch(decoded, sqlite.dialect()), plan_batch(decoded, postgresql.psycopg.dialect(),
+                                                                    use_copy=False)):
+        assert plan.staging != "postgresql"
+        assert not encode_ahead(plan, 64)
+        assert plan.pg_encoded == {}
