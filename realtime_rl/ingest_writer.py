@@ -166,20 +166,12 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
             conn.exec_driver_sql(_SQLITE_MARK_LATEST, (json_text(sorted(feedback_ids)),))
 
     touched = sorted(set(new_completion_ids) | feedback_ids)
-    joined = _upsert_training_examples(conn, touched, now) if touched else set()
+    if conn.dialect.name == "postgresql":  # the join and pending_feedback in one statement
+        joined = _pg_join(conn, touched, sorted(feedback_ids), now) if touched else set()
+    else:
+        joined = _sqlite_join(conn, touched, feedback_ids, now) if touched else set()
     result.joined = len(joined)
-    waiting = sorted(feedback_ids - joined)
-    if waiting:
-        if conn.dialect.name == "postgresql":
-            stmt = dialect_insert(conn, t.pending_feedback).on_conflict_do_nothing()
-            conn.execute(stmt, [{"completion_id": cid, "first_seen_at": now} for cid in waiting])
-        else:
-            conn.exec_driver_sql(_SQLITE_PEND, (sqlite_timestamp(now), json_text(waiting)))
-    result.pending = len(waiting)
-    if joined and conn.dialect.name == "postgresql":
-        conn.exec_driver_sql(_PG_UNPEND, {"ids": json_text(sorted(joined))})
-    elif joined:
-        conn.exec_driver_sql(_SQLITE_UNPEND, (json_text(sorted(joined)),))
+    result.pending = len(feedback_ids - joined)
 
     if plan.versions:
         result.model_versions = _write_versions(conn, plan.versions, now)
@@ -353,13 +345,24 @@ _EXAMPLE_UPDATED = ("signal", "kept_text", "score", "feedback_event_id", "feedba
                     "updated_at")
 
 
-def _upsert_training_examples(conn: sa.Connection, completion_ids: list[str], now: datetime) -> set[str]:
-    """Upsert the example of every id that has both halves; returns those ids. On PostgreSQL this also
-    corrects ``is_latest`` for them (on SQLite ``_SQLITE_MARK_LATEST`` has done that first)."""
-    if conn.dialect.name == "postgresql":
-        return {r[0] for r in conn.exec_driver_sql(_PG_EXAMPLES, {"ids": json_text(completion_ids), "now": now})}
-    rows = conn.exec_driver_sql(_SQLITE_EXAMPLES, (sqlite_timestamp(now), json_text(completion_ids)))
-    return {r[0] for r in rows}
+def _pg_join(conn: sa.Connection, completion_ids: list[str], feedback_ids: list[str], now: datetime) -> set[str]:
+    """Upsert the example of every id that has both halves, correct ``is_latest`` for them, and move
+    ``pending_feedback``: in ids that got feedback but joined nothing, out ids that joined. Returns
+    the joined ids."""
+    params = {"ids": json_text(completion_ids), "fb": json_text(feedback_ids), "now": now}
+    return {r[0] for r in conn.exec_driver_sql(_PG_JOIN, params)}
+
+
+def _sqlite_join(conn: sa.Connection, completion_ids: list[str], feedback_ids: set[str], now: datetime) -> set[str]:
+    """What ``_pg_join`` does, in SQLite's statements (``_SQLITE_MARK_LATEST`` has corrected the flags)."""
+    stamp = sqlite_timestamp(now)
+    joined = {r[0] for r in conn.exec_driver_sql(_SQLITE_EXAMPLES, (stamp, json_text(completion_ids)))}
+    waiting = sorted(feedback_ids - joined)
+    if waiting:
+        conn.exec_driver_sql(_SQLITE_PEND, (stamp, json_text(waiting)))
+    if joined:
+        conn.exec_driver_sql(_SQLITE_UNPEND, (json_text(sorted(joined)),))
+    return joined
 
 
 _EXAMPLE_TARGET = (*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback_event_id", "feedback_count",
@@ -375,9 +378,10 @@ _EXAMPLE_TARGET = (*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback
 # them), which grows with the table; this does not.
 # Long id lists travel to PostgreSQL as one JSON array: pydantic-core encodes it in C, where the
 # driver's array adapter quoted each element in Python (~0.5 us an id, thousands per batch).
-_PG_UNPEND = ("DELETE FROM pending_feedback WHERE completion_id = "
-              "ANY(ARRAY(SELECT json_array_elements_text(%(ids)s::json)))")
-_PG_EXAMPLES = f"""
+# The pending_feedback moves ride in the same statement (two round trips fewer per batch); the
+# joined ids come from the INSERT's RETURNING, so "waiting" is exactly the feedback ids that did not
+# join, as before. Data-modifying CTEs share one snapshot; these touch disjoint rows.
+_PG_JOIN = f"""
 WITH latest AS MATERIALIZED (
     SELECT k.id, l.*
     FROM json_array_elements_text(%(ids)s::json) AS k(id)
@@ -390,14 +394,23 @@ WITH latest AS MATERIALIZED (
                          CROSS JOIN LATERAL (SELECT id, event_id, is_latest FROM feedback
                                              WHERE completion_id = l.id OFFSET 0) r
                          WHERE l.n > 1 AND r.is_latest <> (r.event_id = l.event_id)))
+), joined AS (
+    INSERT INTO training_examples ({", ".join(_EXAMPLE_TARGET)})
+    SELECT {", ".join(f"c.{n}" for n in _EXAMPLE_FROM_COMPLETION)}, {", ".join(f"l.{n}" for n in _EXAMPLE_FROM_FEEDBACK)},
+           l.event_id, l.n, l.created_at, c.created_at, %(now)s
+    FROM latest l
+    CROSS JOIN LATERAL (SELECT * FROM completions WHERE completion_id = l.id LIMIT 1) c
+    ON CONFLICT (completion_id) DO UPDATE SET {", ".join(f"{n} = excluded.{n}" for n in _EXAMPLE_UPDATED)}
+    RETURNING completion_id
+), unpend AS (
+    DELETE FROM pending_feedback WHERE completion_id = ANY(ARRAY(SELECT completion_id FROM joined))
+), pend AS (
+    INSERT INTO pending_feedback (completion_id, first_seen_at)
+    SELECT w.id, %(now)s FROM json_array_elements_text(%(fb)s::json) AS w(id)
+    WHERE NOT EXISTS (SELECT FROM joined j WHERE j.completion_id = w.id)
+    ON CONFLICT (completion_id) DO NOTHING
 )
-INSERT INTO training_examples ({", ".join(_EXAMPLE_TARGET)})
-SELECT {", ".join(f"c.{n}" for n in _EXAMPLE_FROM_COMPLETION)}, {", ".join(f"l.{n}" for n in _EXAMPLE_FROM_FEEDBACK)},
-       l.event_id, l.n, l.created_at, c.created_at, %(now)s
-FROM latest l
-CROSS JOIN LATERAL (SELECT * FROM completions WHERE completion_id = l.id LIMIT 1) c
-ON CONFLICT (completion_id) DO UPDATE SET {", ".join(f"{n} = excluded.{n}" for n in _EXAMPLE_UPDATED)}
-RETURNING completion_id"""
+SELECT completion_id FROM joined"""
 
 
 # SQLite: the same set-based steps as raw statements, each id list one JSON array parameter read with

@@ -58,7 +58,8 @@ def _snapshot(url: str) -> dict:
         with engine.connect() as conn:
             for table, key, skip in (("completions", "completion_id", {"ingested_at"}),
                                      ("feedback", "event_id", {"id", "ingested_at"}),
-                                     ("training_examples", "completion_id", {"updated_at"})):
+                                     ("training_examples", "completion_id", {"updated_at"}),
+                                     ("pending_feedback", "completion_id", {"first_seen_at"})):
                 t = sa.Table(table, sa.MetaData(), autoload_with=conn)
                 # Reflected SQLite timestamps come back as text: read them through the models' types.
                 from realtime_rl import tables as models
