@@ -35,6 +35,7 @@ import bisect  # noqa: F401
 import collections  # noqa: F401
 import contextlib
 import ctypes
+import fcntl
 import functools  # noqa: F401
 import gc
 import heapq  # noqa: F401
@@ -289,12 +290,70 @@ def _reap_orphans(deadline_s: float = 1.0) -> None:
             time.sleep(0.001)
 
 
+def _make_roomy(fd: int) -> bool:
+    """Let the result pipe hold MAX_OUTPUT (fs.pipe-max-size allows 1 MiB by default), so a child
+    never blocks on it before it has written too much anyway."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, MAX_OUTPUT) >= MAX_OUTPUT
+    except OSError:
+        return False
+
+
+def _collect_streaming(r: int, deadline: float) -> tuple[list[bytes], bool, bool]:
+    """Read reports as they arrive until every writer closed the pipe, the deadline passes, or the
+    output exceeds MAX_OUTPUT. Returns (chunks, killed, truncated)."""
+    chunks, size = [], 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return chunks, True, False
+        ready, _, _ = select.select([r], [], [], left)
+        if not ready:
+            continue
+        data = os.read(r, 65536)
+        if not data:
+            return chunks, False, False
+        size += len(data)
+        if size > MAX_OUTPUT:
+            return chunks, True, True
+        chunks.append(data)
+
+
+def _collect_at_exit(r: int, pid: int, deadline: float) -> tuple[list[bytes], bool, bool]:
+    """With room for all the output it may send, sleep until the child exits (or the deadline) and
+    then take what it wrote. A zygote woken by every line costs the child ~0.25 ms of CPU per
+    program (measured with the child's own CPU clock: 0.27-0.36 ms for six tests reported as they
+    finish, 0.02 ms when the zygote waits for the exit), more than all its tests. A child that fills
+    the pipe blocks and is killed at the deadline; a descendant still holding the write end is not
+    waited for (the sweep kills it)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        exited = bool(select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0])
+    finally:
+        os.close(pidfd)
+    os.set_blocking(r, False)
+    chunks, size = [], 0
+    while True:
+        try:
+            data = os.read(r, 65536)
+        except BlockingIOError:  # drained while a descendant holds the write end
+            break
+        if not data:
+            break
+        chunks.append(data)
+        size += len(data)
+    if size >= MAX_OUTPUT:  # the pipe was full: the child was blocked on it
+        return chunks, True, True
+    return chunks, not exited, False
+
+
 def _run(req, base: str, mode: str, uid: int):
     workdir = tempfile.mkdtemp(prefix="run-", dir=base)
     if mode == "namespace":
         os.chown(workdir, uid, uid)
     os.chmod(workdir, 0o700)
     r, w = os.pipe()
+    roomy = _make_roomy(r)
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
@@ -302,23 +361,10 @@ def _run(req, base: str, mode: str, uid: int):
         _child(req, workdir, mode, uid, w)
     os.close(w)
     deadline = t0 + float(req["wall_s"])
-    chunks, size, killed, truncated = [], 0, False, False
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            killed = True
-            break
-        ready, _, _ = select.select([r], [], [], left)
-        if not ready:
-            continue
-        data = os.read(r, 65536)
-        if not data:
-            break
-        size += len(data)
-        if size > MAX_OUTPUT:
-            truncated = killed = True
-            break
-        chunks.append(data)
+    if roomy:
+        chunks, killed, truncated = _collect_at_exit(r, pid, deadline)
+    else:
+        chunks, killed, truncated = _collect_streaming(r, deadline)
     os.close(r)
     if killed:
         with contextlib.suppress(ProcessLookupError):

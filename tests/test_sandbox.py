@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from offline_rl import sandbox_zygote as zygote
 from offline_rl.config import RewardSettings, SandboxSettings
 from offline_rl.rewards import RewardFunction
 from offline_rl.sandbox import Sandbox
@@ -122,6 +123,45 @@ def test_process_left_behind_by_a_clean_run_is_killed(sandbox):
         assert processes_of_uid(UID_BASE + sandbox._proc.pid) == []
     else:
         assert r.n_passed == 0  # the audit hook refuses the fork
+
+
+def test_output_flood(sandbox):
+    # Floods the result pipe (with lines shaped like reports) until the pipe is full.
+    code = ("import os\ndef f(x):\n    while True:\n"
+            "        os.write(3, b'{\"i\": 0, \"value\": 1}\\n' * 4096)\n")
+    t0 = time.monotonic()
+    r = sandbox.run(code, "f", TESTS)
+    assert r.killed and r.n_passed == 0
+    assert time.monotonic() - t0 < 3.0
+    assert reward_of(sandbox, code) == 0.0
+    assert sandbox.run("def f(x):\n    return 3*x+1\n", "f", TESTS).all_passed
+
+
+@pytest.mark.parametrize("at_exit", [True, False])
+def test_both_ways_of_collecting_reports_agree(at_exit):
+    """The zygote sleeps until the child exits when the result pipe can hold all the output, and
+    reads as lines arrive otherwise: the same reports either way, nothing killed."""
+    r, w = os.pipe()
+    if at_exit:
+        assert zygote._make_roomy(r)
+    lines = [f'{{"i": {i}, "value": {i}}}\n'.encode() for i in range(5)]
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        for line in lines:
+            os.write(w, line)
+            time.sleep(0.01)
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + 5.0
+    if at_exit:
+        chunks, killed, truncated = zygote._collect_at_exit(r, pid, deadline)
+    else:
+        chunks, killed, truncated = zygote._collect_streaming(r, deadline)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert b"".join(chunks) == b"".join(lines)
+    assert not killed and not truncated
 
 
 def test_memory_hog(sandbox):
