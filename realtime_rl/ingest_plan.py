@@ -7,13 +7,14 @@ the pipeline's slow stage, and it is left with little but database round trips.
 Within the batch: a repeated event id counts as a duplicate; a second completion event for one
 completion id is a conflict (dead-lettered); the newest feedback per completion is marked, so that
 the common case (one judgement per completion) needs no correcting update. For the staged paths the
-rows are encoded too, without the ingestion time (the transaction adds it):
+rows are encoded too, without the ingestion time (the transaction adds it), by ``staged_rows`` as the
+writer streams them, or earlier by ``encode_ahead`` while the main thread waits for the previous
+commit:
 
-- PostgreSQL: typed tuples for COPY's binary format (``pg_rows``, consumed by the writer as it
-  streams them). JSON values are the compact text ``json_text`` gives (the binary form of ``json``
-  is its text), timestamps timezone-aware datetimes.
-- SQLite: tuples for the driver's ``executemany``, encoded here, exactly as the column types would
-  encode them: compact JSON, timestamps in SQLAlchemy's SQLite format (naive UTC, microseconds).
+- PostgreSQL: typed tuples for COPY's binary format. JSON values are the compact text ``json_text``
+  gives (the binary form of ``json`` is its text), timestamps timezone-aware datetimes.
+- SQLite: tuples for the driver's ``executemany``, exactly as the column types would encode them:
+  compact JSON, timestamps in SQLAlchemy's SQLite format (naive UTC, microseconds).
 """
 
 from __future__ import annotations
@@ -59,12 +60,10 @@ class BatchPlan:
     dead: list[tuple[Decoded, str | None, str | None]] = field(default_factory=list)
     """(item, reason, detail) to dead-letter; None keeps the item's own reason and detail."""
     duplicates: int = 0
-    completion_rows: list[tuple] = field(default_factory=list)
-    feedback_rows: list[tuple] = field(default_factory=list)
-    """SQLite's encoded rows, in the order of ``completions`` / ``feedback`` (PostgreSQL's: ``pg_rows``)."""
-    pg_encoded: dict[str, list[tuple]] = field(default_factory=dict, repr=False)
-    """PostgreSQL rows encoded so far per table (a prefix, in order): see ``pg_rows``, ``encode_ahead``."""
-    pg_todo: dict[str, Iterator[Decoded]] = field(default_factory=dict, repr=False)
+    encoded: dict[str, list[tuple]] = field(default_factory=dict, repr=False)
+    """The staged rows encoded so far per table (a prefix, in the order of ``completions`` /
+    ``feedback``): see ``staged_rows`` and ``encode_ahead``."""
+    todo: dict[str, Iterator[Decoded]] = field(default_factory=dict, repr=False)
 
 
 def staging_for(dialect: sa.Dialect, use_copy: bool, n_events: int) -> str | None:
@@ -104,17 +103,15 @@ def plan_batch(items: Sequence[Decoded], dialect: sa.Dialect, *, use_copy: bool 
     plan = BatchPlan(staging_for(dialect, use_copy, len(completions) + len(feedback)), completions, feedback,
                      newest_in_batch([i.event for i in feedback.values()]), list(versions.values()), dead,
                      duplicates)
-    if plan.staging == "sqlite":
-        plan.completion_rows = [_completion_sqlite(i.event) for i in completions.values()]
-        plan.feedback_rows = [_feedback_sqlite(i.event, i.event.event_id in plan.newest) for i in feedback.values()]
     return plan
 
 
-def pg_rows(plan: BatchPlan, table: str) -> Iterator[tuple]:
-    """PostgreSQL's typed rows for ``table``: those ``encode_ahead`` prepared, then the rest, encoded
-    as they are consumed. The writer streams them to COPY, so that encoding the rest overlaps the
-    server's work on the rows already sent. Encoded rows are kept: the fallback path reads them again."""
-    done, todo = _pg_state(plan, table)
+def staged_rows(plan: BatchPlan, table: str) -> Iterator[tuple]:
+    """The staged path's rows for ``table`` (PostgreSQL: typed tuples for binary COPY; SQLite: the
+    driver's parameter tuples): those ``encode_ahead`` prepared, then the rest, encoded as they are
+    consumed. The writer streams them (COPY, ``executemany``), so that encoding the rest overlaps the
+    database's work on the rows already sent. Encoded rows are kept: the fallback path reads them again."""
+    done, todo = _state(plan, table)
     yield from done
     encode = _encoder(plan, table)
     for item in todo:
@@ -124,14 +121,15 @@ def pg_rows(plan: BatchPlan, table: str) -> Iterator[tuple]:
 
 
 def encode_ahead(plan: BatchPlan, rows: int) -> bool:
-    """Encode up to ``rows`` more PostgreSQL rows of ``plan`` before its transaction starts; False
-    once none are left. The ingester calls it while it waits for the previous batch's commit: on the
-    PostgreSQL path the commit thread (COPY, then the server) is the slower stage, and encoding on
-    it delays the rows the server is waiting for, while the main thread would otherwise sit idle."""
-    if plan.staging != "postgresql":
+    """Encode up to ``rows`` more staged rows of ``plan`` before its transaction starts; False once
+    none are left. The ingester calls it while it waits for the previous batch's commit: when the
+    commit thread is the slower stage, encoding there delays the rows the database is waiting for,
+    while the main thread would otherwise sit idle; when it is not, the commit thread encodes the
+    rest (it would have waited for the main thread anyway)."""
+    if plan.staging is None:
         return False
     for table in ("completions", "feedback"):
-        done, todo = _pg_state(plan, table)
+        done, todo = _state(plan, table)
         encode = _encoder(plan, table)
         for item in itertools.islice(todo, rows):
             done.append(encode(item))
@@ -141,18 +139,20 @@ def encode_ahead(plan: BatchPlan, rows: int) -> bool:
     return False
 
 
-def _pg_state(plan: BatchPlan, table: str) -> tuple[list[tuple], Iterator[Decoded]]:
-    if table not in plan.pg_todo:
-        plan.pg_todo[table] = iter((plan.completions if table == "completions" else plan.feedback).values())
-        plan.pg_encoded[table] = []
-    return plan.pg_encoded[table], plan.pg_todo[table]
+def _state(plan: BatchPlan, table: str) -> tuple[list[tuple], Iterator[Decoded]]:
+    if table not in plan.todo:
+        plan.todo[table] = iter((plan.completions if table == "completions" else plan.feedback).values())
+        plan.encoded[table] = []
+    return plan.encoded[table], plan.todo[table]
 
 
 def _encoder(plan: BatchPlan, table: str) -> Callable[[Decoded], tuple]:
+    pg = plan.staging == "postgresql"
     if table == "completions":
-        return lambda item: _completion_pg(item.event)
-    newest = plan.newest
-    return lambda item: _feedback_pg(item.event, item.event.event_id in newest)
+        completion = _completion_pg if pg else _completion_sqlite
+        return lambda item: completion(item.event)
+    feedback, newest = (_feedback_pg if pg else _feedback_sqlite), plan.newest
+    return lambda item: feedback(item.event, item.event.event_id in newest)
 
 
 def newest_in_batch(events: list[FeedbackEvent]) -> set[str]:

@@ -42,9 +42,9 @@ from realtime_rl.ingest_plan import (
     FEEDBACK_COLUMNS,
     PG_COPY_TYPES,
     BatchPlan,
-    pg_rows,
     plan_batch,
     sqlite_timestamp,
+    staged_rows,
     utc,
 )
 
@@ -130,9 +130,9 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
         if copied is not None:
             new_completion_ids = copied[0]
         elif plan.staging == "postgresql":
-            new_completion_ids = _pg_stage_insert(conn, "completions", list(pg_rows(plan, "completions")), now)
+            new_completion_ids = _pg_stage_insert(conn, "completions", list(staged_rows(plan, "completions")), now)
         elif plan.staging == "sqlite":
-            new_completion_ids = _sqlite_stage_insert(conn, "completions", plan.completion_rows, now)
+            new_completion_ids = _sqlite_stage_insert(conn, "completions", list(staged_rows(plan, "completions")), now)
         else:
             stmt = dialect_insert(conn, t.completions).on_conflict_do_nothing().returning(t.completions.c.completion_id)
             rows = [_completion_row(i.event, now) for i in completions.values()]
@@ -151,9 +151,9 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
         if copied is not None:
             inserted = copied[1]
         elif plan.staging == "postgresql":
-            inserted = _pg_stage_insert(conn, "feedback", list(pg_rows(plan, "feedback")), now)
+            inserted = _pg_stage_insert(conn, "feedback", list(staged_rows(plan, "feedback")), now)
         elif plan.staging == "sqlite":
-            inserted = _sqlite_stage_insert(conn, "feedback", plan.feedback_rows, now)
+            inserted = _sqlite_stage_insert(conn, "feedback", list(staged_rows(plan, "feedback")), now)
         else:
             rows = [_feedback_row(i.event, now, i.event.event_id in plan.newest) for i in feedback.values()]
             stmt = (dialect_insert(conn, t.feedback).on_conflict_do_nothing(index_elements=[t.feedback.c.event_id])
@@ -240,13 +240,12 @@ def _insert_direct(conn: sa.Connection, plan: BatchPlan, now: datetime) -> tuple
             if pg:
                 with cursor.copy(f"COPY {table} ({cols}, ingested_at) FROM STDIN (FORMAT BINARY)") as copy:
                     copy.set_types([*PG_COPY_TYPES[table], "timestamptz"])
-                    for row in pg_rows(plan, table):
+                    for row in staged_rows(plan, table):
                         copy.write_row((*row, now))
             else:  # the timestamp is ours, formatted: a literal, so the rows need no extra field
                 marks = ", ".join("?" * len(_STAGED_COLUMNS[table]))
-                rows = plan.completion_rows if table == "completions" else plan.feedback_rows
                 cursor.executemany(f"INSERT INTO {table} ({cols}, ingested_at) "
-                                   f"VALUES ({marks}, '{sqlite_timestamp(now)}')", rows)
+                                   f"VALUES ({marks}, '{sqlite_timestamp(now)}')", staged_rows(plan, table))
         if not pg:
             cursor.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
     except dbapi_error as err:

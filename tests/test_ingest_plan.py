@@ -1,17 +1,18 @@
-"""PostgreSQL COPY rows of a batch plan: rows encoded ahead (while the previous batch commits), rows
-encoded as COPY streams them, and rows read a second time (the fallback after a unique violation)
-are the same rows, in the same order."""
+"""Staged rows of a batch plan (PostgreSQL: binary COPY tuples; SQLite: executemany tuples): rows
+encoded ahead (while the previous batch commits), rows encoded as the writer streams them, and rows
+read a second time (the fallback after a unique violation) are the same rows, in the same order."""
 
 from __future__ import annotations
 
 import itertools
 
+import pytest
 from sqlalchemy.dialects import postgresql, sqlite
 
 from realtime_rl.bus.base import Record
 from realtime_rl.event_samples import sample_stream
 from realtime_rl.ingest_decode import decode_record
-from realtime_rl.ingest_plan import encode_ahead, pg_rows, plan_batch
+from realtime_rl.ingest_plan import encode_ahead, plan_batch, staged_rows
 
 TABLES = ("completions", "feedback")
 
@@ -21,46 +22,51 @@ def _decoded(n: int = 700):
     return [decode_record(Record("t", 0, i, k, v, 0), 1_000_000) for i, (k, v) in enumerate(stream.messages)]
 
 
-def _pg_plan(decoded):
-    plan = plan_batch(decoded, postgresql.psycopg.dialect())
-    assert plan.staging == "postgresql"
+DIALECTS = {"postgresql": postgresql.psycopg.dialect(), "sqlite": sqlite.dialect()}
+
+
+def _plan(decoded, name: str):
+    plan = plan_batch(decoded, DIALECTS[name])
+    assert plan.staging == name
     return plan
 
 
-def test_rows_encoded_ahead_then_streamed_are_the_rows_streamed_alone() -> None:
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_rows_encoded_ahead_then_streamed_are_the_rows_streamed_alone(dialect: str) -> None:
     decoded = _decoded()
-    expected = {t: list(pg_rows(_pg_plan(decoded), t)) for t in TABLES}
+    expected = {t: list(staged_rows(_plan(decoded, dialect), t)) for t in TABLES}
     n_completions = len(expected["completions"])
     assert n_completions > 200 and len(expected["feedback"]) > 200
     assert len({r[0] for r in expected["completions"]}) == n_completions  # one row per completion id
     assert any(r[-1] for r in expected["feedback"]) and not all(r[-1] for r in expected["feedback"])  # is_latest
 
     # Stop part-way into feedback: both tables hold a mix of rows encoded ahead and rows left to encode.
-    plan = _pg_plan(decoded)
+    plan = _plan(decoded, dialect)
     ahead = 0
     while ahead < n_completions + 50:
         assert encode_ahead(plan, 64)
         ahead += 64
-    assert len(plan.pg_encoded["completions"]) == n_completions
-    assert 0 < len(plan.pg_encoded["feedback"]) < len(expected["feedback"])
-    assert {t: list(pg_rows(plan, t)) for t in TABLES} == expected
-    assert {t: list(pg_rows(plan, t)) for t in TABLES} == expected  # read again: the same rows
+    assert len(plan.encoded["completions"]) == n_completions
+    assert 0 < len(plan.encoded["feedback"]) < len(expected["feedback"])
+    assert {t: list(staged_rows(plan, t)) for t in TABLES} == expected
+    assert {t: list(staged_rows(plan, t)) for t in TABLES} == expected  # read again: the same rows
     assert not encode_ahead(plan, 64)
 
 
-def test_a_copy_abandoned_midway_leaves_every_row_for_the_next_read() -> None:
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_copy_abandoned_midway_leaves_every_row_for_the_next_read(dialect: str) -> None:
     decoded = _decoded()
-    expected = {t: list(pg_rows(_pg_plan(decoded), t)) for t in TABLES}
-    plan = _pg_plan(decoded)
+    expected = {t: list(staged_rows(_plan(decoded, dialect), t)) for t in TABLES}
+    plan = _plan(decoded, dialect)
     for t in TABLES:
-        assert list(itertools.islice(pg_rows(plan, t), 37)) == expected[t][:37]  # the COPY failed here
-    assert {t: list(pg_rows(plan, t)) for t in TABLES} == expected
+        assert list(itertools.islice(staged_rows(plan, t), 37)) == expected[t][:37]  # the COPY failed here
+    assert {t: list(staged_rows(plan, t)) for t in TABLES} == expected
 
 
-def test_nothing_is_encoded_ahead_for_other_write_paths() -> None:
+def test_nothing_is_encoded_ahead_for_the_plain_path() -> None:
     decoded = _decoded()
-    for plan in (plan_batch(decoded, sqlite.dialect()), plan_batch(decoded, postgresql.psycopg.dialect(),
-                                                                    use_copy=False)):
-        assert plan.staging != "postgresql"
+    for dialect in DIALECTS.values():
+        plan = plan_batch(decoded, dialect, use_copy=False)
+        assert plan.staging is None
         assert not encode_ahead(plan, 64)
-        assert plan.pg_encoded == {}
+        assert plan.encoded == {}
