@@ -188,18 +188,22 @@ class Ingester:
         return len(records)
 
     def _gather(self, limit: int, floor: dict[tuple[str, int], int], busy: Future | None = None) -> list[Record]:
-        """Up to ``limit`` records; once some arrived, waits up to ``batch_max_wait_ms`` for more, but
-        when ``busy`` (the transaction in flight) is given, only while it still runs: the wait is
-        there to make batches bigger while the database is occupied anyway; once it is idle, waiting
-        only delays the rows (on the benchmark: the last batch of a burst waited the whole 100 ms)."""
+        """Up to ``limit`` records; once some arrived, waits up to ``batch_max_wait_ms`` for more. With
+        ``busy`` (the transaction in flight) the wait lasts only while that runs, and a dry poll does
+        not end it: the wait is there to grow batches while the database is occupied anyway; once it
+        is idle, waiting only delays the rows (the last batch of a burst waited the whole 100 ms).
+        Then it takes what it has, unless the bus still has records and the batch is below
+        ``_first_batch``: a transaction costs milliseconds however small, so tiny batches beside a
+        fast commit would spend more on transactions than they save in latency."""
         records: list[Record] = []
         deadline: float | None = None
         timeout = self.cfg.poll_timeout_s
+        least = _first_batch(self.cfg)
         while len(records) < limit:
             polled = self.consumer.poll(timeout_s=timeout, max_records=limit - len(records))
             # Anything below ``floor`` (a fetch that raced a rewind) was already taken care of.
             records.extend(r for r in polled if r.offset >= floor.get((r.topic, r.partition), 1 << 62))
-            if not polled:
+            if not polled and (busy is None or busy.done() or not records):
                 break
             if deadline is None:
                 deadline = time.monotonic() + self.cfg.batch_max_wait_ms / 1000
@@ -207,7 +211,7 @@ class Ingester:
             if timeout <= 0:
                 break
             if busy is not None:
-                if busy.done():
+                if busy.done() and (not polled or len(records) >= least):
                     break
                 timeout = min(timeout, _BUSY_CHECK_S)
         return records
