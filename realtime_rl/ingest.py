@@ -86,7 +86,7 @@ class _Batch:
 
 _ENCODE_AHEAD_ROWS = 200
 """Rows encoded between two looks at the transaction in flight (~0.5 ms of work)."""
-_BUSY_CHECK_S = 0.005
+_BUSY_CHECK_S = 0.02
 """While filling a batch beside a running transaction: how often to look whether it has ended."""
 
 
