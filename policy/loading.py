@@ -7,6 +7,7 @@ a directory that is incomplete fails here with the list of what is missing inste
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,15 @@ from typing import Any
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+# transformers builds a model under context managers that patch process-wide state (torch.nn.init
+# functions, PreTrainedModel.init_weights / tie_weights, the default dtype) and restore it on exit.
+# Two threads doing that at once restore each other's patches: tie_weights stays disabled for the
+# rest of the process and every later load fails ("Cannot copy out of meta tensor"). A gateway
+# swapping in a version while the updater loads its policy in the same process (the demo) hit this,
+# so every model construction in this package holds this lock.
+MODEL_BUILD_LOCK = threading.Lock()
 
 
 class ModelLoadError(RuntimeError):
@@ -79,7 +89,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     quiet_transformers()
     path = check_model_dir(model_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
+        with MODEL_BUILD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not load {path}: {err}") from err
     return model.to(device).eval()

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from policy.config import TinyModelSettings
+from policy.loading import MODEL_BUILD_LOCK
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
@@ -69,7 +70,8 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelSettings | None = None) 
         torch_dtype="float32",
     )
     torch.manual_seed(cfg.seed)
-    model = LlamaForCausalLM(config)
+    with MODEL_BUILD_LOCK:  # a concurrent from_pretrained would have the init functions patched out
+        model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

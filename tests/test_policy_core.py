@@ -192,3 +192,40 @@ def test_cli_init_model_then_sample(tmp_path):
                          check=True, capture_output=True, text=True).stdout.strip().splitlines()
     rows = [json.loads(line) for line in out]
     assert len(rows) == 2 and all(len(r["logprobs"]) == len(r["token_ids"]) for r in rows)
+
+
+def test_concurrent_loads_in_one_process_each_get_the_real_weights(tiny_model_dir):
+    """A gateway swapping versions while the updater loads its policy: transformers patches process-wide
+    state while it builds a model, so unserialised concurrent loads leave weight tying switched off and
+    later loads fail. Every load must come back tied, with the saved weights, and leave nothing patched."""
+    import threading
+
+    from transformers.modeling_utils import PreTrainedModel
+
+    from policy.loading import load_model
+
+    originals = (PreTrainedModel.tie_weights, PreTrainedModel.init_weights, torch.nn.init.normal_)
+    reference = load_model(tiny_model_dir).state_dict()
+    errors: list[BaseException] = []
+    mismatched: list[str] = []
+
+    def loads() -> None:
+        try:
+            for _ in range(12):
+                model = load_model(tiny_model_dir)
+                if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+                    mismatched.append("lm_head not tied to the embeddings")
+                for name, tensor in model.state_dict().items():
+                    if not torch.equal(tensor, reference[name]):
+                        mismatched.append(name)
+        except BaseException as err:  # noqa: BLE001 - reported by the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=loads) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
+    assert not mismatched, mismatched[:5]
+    assert (PreTrainedModel.tie_weights, PreTrainedModel.init_weights, torch.nn.init.normal_) == originals
