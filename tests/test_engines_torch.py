@@ -96,9 +96,11 @@ def test_engine_process_and_in_thread_modes_generate_the_same(engine, tmp_path, 
 def test_engine_process_errors_and_swaps(tmp_path, tiny_model_dir):
     """A generate error in the child reaches the caller with its type; swaps free the replaced model in
     the child; a dead child fails requests with EngineClosed and makes the engine not ready."""
+    from concurrent.futures import Future
+
     from policy.sampling import ContextTooLong
-    from serving.engines.base import EngineClosed
-    from serving.engines.torch_engine import TorchEngine
+    from serving.engines.base import EngineClosed, _Control
+    from serving.engines.torch_engine import TorchEngine, TorchHandle
     from serving.versions import VersionRef
 
     dirs = make_versions(tiny_model_dir, tmp_path / "versions", 2)
@@ -114,9 +116,15 @@ def test_engine_process_errors_and_swaps(tmp_path, tiny_model_dir):
         after = eng.generate_now([ids], [SamplingParams(max_new_tokens=4, seed=1)], timeout=60)[0]
         assert before.version == "v0" and after.version == "v1"
         assert after.sample.logprobs != pytest.approx(before.sample.logprobs, abs=1e-6)  # other weights
-        eng._gen.send(("gen", 1, [ids], [SamplingParams(max_new_tokens=2)], False))  # slot 1 held v0
-        err = eng._inbox.recv()
-        assert err[0] == "end" and isinstance(err[1], KeyError)  # freed in the child after the swap
+        # Slot 1 held v0: it was freed in the child after the swap. Asked from the worker thread (a control
+        # job), which owns the pipe: another reader would race it for the previous batch's last message.
+        stale: Future = Future()
+        with eng._cond:
+            eng._queue.append(_Control(lambda: eng._generate(TorchHandle("v0", 1), [ids],
+                                                             [SamplingParams(max_new_tokens=2)]), stale))
+            eng._cond.notify()
+        with pytest.raises(KeyError):
+            stale.result(30)
         eng._proc.kill()
         eng._proc.join(10)
         assert not eng.ready
