@@ -131,12 +131,14 @@ def run_episodes(backend: RolloutBackend, tokenizer, env: CodingEnv, tasks: Sequ
     episode starts its sandbox run the moment its row finishes, overlapping scoring with decoding."""
     pending = reward_fn.pending() if reward_fn is not None else None
     states, trajs = [], []
+    encoded: dict[str, list[int]] = {}  # a group's G episodes start from one context: encode it once
     for task in tasks:
         for _ in range(group_size):
             st = env.reset(task)
             states.append(st)
-            trajs.append(Trajectory(task=task, prompt_ids=tokenizer(st.context, add_special_tokens=False)["input_ids"],
-                                    version=backend.version))
+            if st.context not in encoded:
+                encoded[st.context] = tokenizer(st.context, add_special_tokens=False)["input_ids"]
+            trajs.append(Trajectory(task=task, prompt_ids=list(encoded[st.context]), version=backend.version))
     live = list(range(len(states)))
     turn = 0
     while live:
