@@ -379,7 +379,8 @@ _EXAMPLE_TARGET = (*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback
 # driver's array adapter quoted each element in Python (~0.5 us an id, thousands per batch).
 # The pending_feedback moves ride in the same statement (two round trips fewer per batch); the
 # joined ids come from the INSERT's RETURNING, so "waiting" is exactly the feedback ids that did not
-# join, as before. Data-modifying CTEs share one snapshot; these touch disjoint rows.
+# join, as before. Data-modifying CTEs share one snapshot; these touch disjoint rows. The DELETE is a
+# join (hashed or index-probed), not ``= ANY(array)``: a runtime array is searched linearly per row.
 _PG_JOIN = f"""
 WITH latest AS MATERIALIZED (
     SELECT k.id, l.*
@@ -402,7 +403,7 @@ WITH latest AS MATERIALIZED (
     ON CONFLICT (completion_id) DO UPDATE SET {", ".join(f"{n} = excluded.{n}" for n in _EXAMPLE_UPDATED)}
     RETURNING completion_id
 ), unpend AS (
-    DELETE FROM pending_feedback WHERE completion_id = ANY(ARRAY(SELECT completion_id FROM joined))
+    DELETE FROM pending_feedback p USING joined j WHERE p.completion_id = j.completion_id
 ), pend AS (
     INSERT INTO pending_feedback (completion_id, first_seen_at)
     SELECT w.id, %(now)s FROM json_array_elements_text(%(fb)s::json) AS w(id)
