@@ -49,8 +49,14 @@ def test_rows_encoded_ahead_then_streamed_are_the_rows_streamed_alone(dialect: s
     assert len(plan.encoded["completions"]) == n_completions
     assert 0 < len(plan.encoded["feedback"]) < len(expected["feedback"])
     assert {t: list(staged_rows(plan, t)) for t in TABLES} == expected
+    assert plan.encoded == {}  # handed over: no row outlives the COPY
     assert {t: list(staged_rows(plan, t)) for t in TABLES} == expected  # read again: the same rows
-    assert not encode_ahead(plan, 64)
+
+    plan = _plan(decoded, dialect)
+    while encode_ahead(plan, 100):
+        pass
+    assert {t: len(rows) for t, rows in plan.encoded.items()} == {t: len(expected[t]) for t in TABLES}
+    assert {t: list(staged_rows(plan, t)) for t in TABLES} == expected
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
