@@ -119,7 +119,7 @@ def test_process_left_behind_by_a_clean_run_is_killed(sandbox):
     r = sandbox.run(code, "f", TESTS)
     if sandbox.isolation == "namespace":
         assert r.all_passed and not r.killed
-        assert time.monotonic() - t0 < 1.0  # it did not wait for the wall-clock limit
+        assert time.monotonic() - t0 < 3.0  # it did not wait for the detached process (30 s); slack for a loaded host
         assert processes_of_uid(UID_BASE + sandbox._proc.pid) == []
     else:
         assert r.n_passed == 0  # the audit hook refuses the fork
