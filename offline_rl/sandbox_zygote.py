@@ -79,6 +79,7 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_SET_CHILD_SUBREAPER = 36
 UID_BASE = 200_000
 MAX_OUTPUT = 1 << 20
+TRUNCATED_LINES = 1000  # lines decoded from a run that exceeded MAX_OUTPUT
 RESULT_FD = 3
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -333,7 +334,8 @@ def _collect_at_exit(r: int, pid: int, deadline: float) -> tuple[list[bytes], bo
         os.close(pidfd)
     os.set_blocking(r, False)
     chunks, size = [], 0
-    while True:
+    # Bounded: a child that has not exited may still be writing as fast as this loop reads.
+    while size < MAX_OUTPUT:
         try:
             data = os.read(r, 65536)
         except BlockingIOError:  # drained while a descendant holds the write end
@@ -394,6 +396,8 @@ def _run(req, base: str, mode: str, uid: int):
         shutil.rmtree(workdir, ignore_errors=True)
     lines = []
     for raw in b"".join(chunks).split(b"\n"):
+        if truncated and len(lines) >= TRUNCATED_LINES:
+            break  # a run over the output limit has failed; its head and first reports are enough
         if raw.strip():
             try:
                 lines.append(json.loads(raw))

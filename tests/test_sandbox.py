@@ -17,7 +17,7 @@ from offline_rl import sandbox_zygote as zygote
 from offline_rl.config import RewardSettings, SandboxSettings
 from offline_rl.rewards import RewardFunction
 from offline_rl.sandbox import Sandbox
-from offline_rl.sandbox_zygote import UID_BASE
+from offline_rl.sandbox_zygote import TRUNCATED_LINES, UID_BASE
 from offline_rl.tasks import Task
 from offline_rl.tasks import TestCase as Case
 
@@ -133,6 +133,10 @@ def test_output_flood(sandbox):
     r = sandbox.run(code, "f", TESTS)
     assert r.killed and r.n_passed == 0
     assert time.monotonic() - t0 < 3.0
+    # The zygote stops reading at the output limit (the writer is still running until it is
+    # killed) and decodes a bounded number of lines of an over-limit run.
+    reply = sandbox.execute(code, "f", [t.args for t in TESTS])
+    assert reply["killed"] and reply["truncated"] and 0 < len(reply["lines"]) <= TRUNCATED_LINES
     assert reward_of(sandbox, code) == 0.0
     assert sandbox.run("def f(x):\n    return 3*x+1\n", "f", TESTS).all_passed
 
