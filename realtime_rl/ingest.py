@@ -346,6 +346,8 @@ class Ingester:
                     batch = self._prepare(records, floor) if records else None
                     if inflight is not None:
                         done, inflight = inflight[0], None
+                        # Encode the next batch's rows in slices while the commit runs; each call does
+                        # the work and says whether any is left, so the loop needs no body.
                         while batch is not None and not done.done() and encode_ahead(batch.plan, _ENCODE_AHEAD_ROWS):
                             pass
                         done.result()

@@ -53,7 +53,7 @@ def test_rows_encoded_ahead_then_streamed_are_the_rows_streamed_alone(dialect: s
     assert {t: list(staged_rows(plan, t)) for t in TABLES} == expected  # read again: the same rows
 
     plan = _plan(decoded, dialect)
-    while encode_ahead(plan, 100):
+    while encode_ahead(plan, 100):  # encodes 100 rows per call until nothing is left
         pass
     assert {t: len(rows) for t, rows in plan.encoded.items()} == {t: len(expected[t]) for t in TABLES}
     assert {t: list(staged_rows(plan, t)) for t in TABLES} == expected

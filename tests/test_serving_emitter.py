@@ -70,6 +70,9 @@ def test_pending_counts_events_the_sender_holds(tmp_path):
     sent: list[bytes] = []
 
     class SlowProducer:
+        """Stands in for the bus client (the state under test is the emitter's): a send that blocks
+        until released; flushing and closing have nothing to do."""
+
         def send(self, topic, value, key=None):
             sending.set()
             release.wait(10)

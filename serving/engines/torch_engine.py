@@ -25,8 +25,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from policy.sampling import Sample, SamplingParams, generate_ids
+from policy.sampling import Sample, SamplingParams
 from serving.engines.base import Engine, EngineClosed
+from serving.engines.torch_worker import generate_batch
 from serving.versions import VersionRef
 
 
@@ -152,11 +153,7 @@ class TorchEngine(Engine):
     def _generate(self, handle: TorchHandle, rows: list[list[int]], params: list[SamplingParams], *,
                   on_step=None, on_finish=None) -> list[Sample]:
         if self._proc is None:
-            tok = self.tokenizer
-            return generate_ids(handle.model, rows, params, eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.pad_token_id,
-                                decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                                on_step=on_step, on_finish=on_finish)
+            return generate_batch(handle.model, self.tokenizer, rows, params, on_step=on_step, on_finish=on_finish)
         samples: list[Sample | None] = [None] * len(rows)
         try:
             self._gen.send(("gen", handle.model, rows, params, on_step is not None))

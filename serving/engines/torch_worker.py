@@ -35,6 +35,16 @@ def _portable(err: BaseException) -> BaseException:
         return RuntimeError(f"{type(err).__name__}: {err}")
 
 
+def generate_batch(model, tok, rows, params, *, on_step=None, on_finish=None):
+    """One batched ``generate_ids`` call with the tokenizer's special ids and text decoding: the same
+    call in the engine process and in the batcher thread (``engine_process = false``)."""
+    from policy.sampling import generate_ids
+
+    return generate_ids(model, rows, params, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                        decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                        on_step=on_step, on_finish=on_finish)
+
+
 def main(gen_conn, ctl_conn, threads: int, dtype: str, device: str) -> None:
     # The parent owns shutdown (it flushes events first): a Ctrl-C to the process group must not
     # kill the generator under batches in flight.
@@ -42,7 +52,6 @@ def main(gen_conn, ctl_conn, threads: int, dtype: str, device: str) -> None:
     import torch
 
     from policy.loading import load_model, load_tokenizer
-    from policy.sampling import generate_ids
 
     torch.set_num_threads(threads)
     models: dict[int, Any] = {}
@@ -87,11 +96,9 @@ def main(gen_conn, ctl_conn, threads: int, dtype: str, device: str) -> None:
             continue
         _, slot, rows, params, stream = msg
         try:
-            tok = tok_box[0]
-            generate_ids(models[slot], rows, params, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         decode=lambda ids, tok=tok: tok.decode(ids, skip_special_tokens=True),
-                         on_step=(lambda r, t: send(("step", r, t))) if stream else None,
-                         on_finish=lambda r, s: send(("fin", r, s)))
+            generate_batch(models[slot], tok_box[0], rows, params,
+                           on_step=(lambda r, t: send(("step", r, t))) if stream else None,
+                           on_finish=lambda r, s: send(("fin", r, s)))
             error = None
         except BaseException as err:  # noqa: BLE001 - the batch's requests get it; the process lives on
             error = _portable(err)
