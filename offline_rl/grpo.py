@@ -460,16 +460,19 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
                 # CPU seconds beside wall seconds: on a shared machine they tell work from waiting for
                 # a core (the rollout side's sandbox children are not counted in either).
                 t0, c0 = time.perf_counter(), time.process_time()
+                phases: dict[str, float] = {}
                 if rollouts is None:
                     trainer.model.eval()
                     sync_backend.version = trainer.version
                     tasks = sample_tasks(split.train, cfg.prompts_per_step, rng)
+                    sb0 = reward_fn.sandbox_cpu_s
                     trajs = run_episodes(sync_backend, trainer.tokenizer, env, tasks, cfg.group_size,
                                          cfg.temperature, cfg.max_new_tokens, seed=rng.randrange(1 << 30),
                                          reward_fn=reward_fn)
                     trainer.model.train()
                     batch_version, gen_s, wait_s = trainer.version, time.perf_counter() - t0, 0.0
                     gen_cpu_s = time.process_time() - c0
+                    phases["sandbox_cpu_s"] = reward_fn.sandbox_cpu_s - sb0
                 else:
                     batch = rollouts.get()
                     wait_s = time.perf_counter() - t0
@@ -479,17 +482,28 @@ def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress
                         continue
                     trajs, batch_version, gen_s = batch.trajectories, batch.version, batch.gen_s
                     gen_cpu_s = batch.info.get("cpu_s", 0.0)
+                    # The worker's side of the step: its idle time, weight pickup, the sandbox CPU its
+                    # batch cost, and how long the finished batch took to reach this process.
+                    for k in ("sandbox_cpu_s", "slot_wait_s", "sync_s"):
+                        if k in batch.info:
+                            phases[k] = batch.info[k]
+                    if "ready_at" in batch.info:
+                        phases["handoff_s"] = rollouts.received_at - batch.info["ready_at"]
                 staleness = trainer.version - batch_version
                 t1, c1 = time.perf_counter(), time.process_time()
                 m = trainer.train_on(trajs, staleness=staleness)
                 train_s, train_cpu_s = time.perf_counter() - t1, time.process_time() - c1
                 if rollouts is not None and m.get("updated"):
+                    t2 = time.perf_counter()
                     rollouts.publish(trainer.model, trainer.version)
+                    phases["publish_s"] = time.perf_counter() - t2
                 state["zero_variance_groups"] += m.get("zero_variance_groups", 0)
                 rec = {"step": trainer.step, "version": trainer.version, "batch_version": batch_version,
                        "staleness": staleness, **_batch_metrics(trajs), **m, "gen_s": round(gen_s, 4),
                        "wait_s": round(wait_s, 4), "train_s": round(train_s, 4),
                        "gen_cpu_s": round(gen_cpu_s, 4), "train_cpu_s": round(train_cpu_s, 4),
+                       **{k: round(v, 4) for k, v in phases.items()},
+                       "step_cpu_s": round(time.process_time() - c0, 4),
                        "step_s": round(time.perf_counter() - t0, 4), "dropped_stale": state["dropped_stale"],
                        "zero_variance_groups_total": state["zero_variance_groups"],
                        "judge_errors": reward_fn.judge_errors, "time": round(time.perf_counter() - t_start, 2)}

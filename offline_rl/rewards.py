@@ -36,6 +36,9 @@ class RewardFunction:
     settings: RewardSettings = field(default_factory=RewardSettings)
     judge: Judge | None = None
     judge_errors: int = 0
+    sandbox_cpu_s: float = 0.0
+    """CPU seconds the sandbox spent on this function's runs so far (see RunResult.cpu_s): a rollout
+    loop's own CPU clock misses them, and on a shared machine they compete with it."""
 
     def combine(self, run: RunResult, well_formed: bool, judge_scores: dict[str, float]) -> tuple[float, dict]:
         parts = {"tests": run.pass_fraction, "compiles": float(run.compiled), "format": float(well_formed)}
@@ -99,15 +102,18 @@ class PendingRewards:
                 and compiles(program_for(task, expr))):
             self.runs[key] = sandbox.submit(program_for(task, expr), task.entry_point, task.tests)
         else:
-            self.runs[key] = score_expression(sandbox, task, expr)
+            run = self.runs[key] = score_expression(sandbox, task, expr)
+            self.fn.sandbox_cpu_s += run.cpu_s
 
     def rewards(self, items: Sequence[tuple[Task, str | None, bool]]) -> list[Reward]:
         for task, expr, _ in items:
             self.add(task, expr)
+        for key, run in self.runs.items():
+            if isinstance(run, Future):
+                self.runs[key] = run = run.result()
+                self.fn.sandbox_cpu_s += run.cpu_s
         out = []
         for task, expr, well_formed in items:
             run = self.runs[self._key(task, expr)]
-            if isinstance(run, Future):
-                run = run.result()
             out.append(self.fn.score(task, expr, well_formed, run=run))
         return out

@@ -50,6 +50,9 @@ class RunResult:
     killed: bool = False
     wall_s: float = 0.0
     values: list[Any] = field(default_factory=list)
+    cpu_s: float = 0.0
+    """CPU seconds of the program's process and of the fork server's work for it: the cost that the
+    caller's own CPU clock does not include (0 when nothing ran)."""
 
     @property
     def n_passed(self) -> int:
@@ -170,13 +173,14 @@ def score_reply(reply: dict, tests: Sequence[TestCase]) -> RunResult:
     lines = reply["lines"]
     killed = bool(reply.get("killed"))
     wall = float(reply.get("wall_s", 0.0))
+    cpu = float(reply.get("cpu_s", 0.0)) + float(reply.get("zygote_cpu_s", 0.0))
     head = lines[0] if lines else {}
     for key in ("setup_error", "compile_error", "load_error"):
         if key in head:
             status: Status = "timeout" if "timeout" in str(head[key]) else "error"
             return RunResult(tests=[TestResult(i, status, head[key]) for i in range(len(tests))],
                              compiled=key != "compile_error", error=f"{key}: {head[key]}", killed=killed,
-                             wall_s=wall)
+                             wall_s=wall, cpu_s=cpu)
     # The first report for each index counts; anything the program wrote itself (extra or garbage
     # lines) cannot add a pass, because a pass needs the right value.
     first: dict[int, dict] = {}
@@ -210,7 +214,8 @@ def score_reply(reply: dict, tests: Sequence[TestCase]) -> RunResult:
         err = "killed: wall-clock limit or output limit"
     elif reply.get("signal"):
         err = f"terminated by signal {reply['signal']}"
-    return RunResult(tests=results, compiled=True, error=err, killed=killed, wall_s=wall, values=values)
+    return RunResult(tests=results, compiled=True, error=err, killed=killed, wall_s=wall, values=values,
+                     cpu_s=cpu)
 
 
 class SandboxPool:

@@ -95,9 +95,13 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, live: list[str], versio
         return os.getppid() != parent
 
     try:
+        waiting_since = time.monotonic()
         while not stop.is_set() and not orphaned():
             if not slots.acquire(timeout=0.2):
                 continue
+            # Per-phase times travel with the batch so the trainer's metrics show where a step went:
+            # slot_wait_s is this worker idle (the trainer is the bottleneck), sync_s the weight pickup.
+            t_slot = time.monotonic()
             if version.value != local:
                 with lock:
                     v = version.value
@@ -107,19 +111,25 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, live: list[str], versio
                     snapshot = {k: shared[k].clone() for k in names}
                 backend.load_weights(snapshot, v)
                 local = v
-            t0, c0 = time.perf_counter(), time.process_time()
+            t_synced = time.monotonic()
+            t0, c0, sb0 = time.perf_counter(), time.process_time(), reward_fn.sandbox_cpu_s
             batch_tasks = sample_tasks(tasks, cfg.prompts_per_batch, rng)
             trajs = run_episodes(backend, tok, env, batch_tasks, cfg.group_size, cfg.temperature,
                                  cfg.max_new_tokens, seed=rng.randrange(1 << 30), reward_fn=reward_fn)
             batch = RolloutBatch(version=local, trajectories=trajs, gen_s=time.perf_counter() - t0,
                                  worker=cfg.worker_id, tokens=sum(t.n_policy_tokens for t in trajs),
-                                 info={"cpu_s": time.process_time() - c0})
+                                 info={"cpu_s": time.process_time() - c0,
+                                       "sandbox_cpu_s": reward_fn.sandbox_cpu_s - sb0,
+                                       "slot_wait_s": t_slot - waiting_since,
+                                       "sync_s": t_synced - t_slot,
+                                       "ready_at": time.monotonic()})
             while not stop.is_set() and not orphaned():
                 try:
                     out_q.put(batch, timeout=0.2)
                     break
                 except queue.Full:
                     continue
+            waiting_since = time.monotonic()
     finally:
         sandbox.close()
 
@@ -142,6 +152,7 @@ class AsyncRollouts:
         self.slots = ctx.Semaphore(queue_size)
         self.stop_event = ctx.Event()
         self.procs = []
+        self.received_at = 0.0  # time.monotonic() when get() last took a batch (for hand-off latency)
         self._torch = torch
         for cfg in worker_cfgs:
             p = ctx.Process(target=_worker_main, args=(cfg, tasks, self.shared, self.live, self.version, self.lock,
@@ -161,6 +172,7 @@ class AsyncRollouts:
         while True:
             try:
                 batch = self.queue.get(timeout=1.0)
+                self.received_at = time.monotonic()
                 self.slots.release()
                 return batch
             except queue.Empty:

@@ -130,6 +130,10 @@ def test_async_staleness_bound_and_live_weight_pickup(tiny_model_dir, tmp_path):
     for r in recs:
         assert {"reward_mean", "pass_rate", "entropy", "mismatch_abs_logp", "mismatch_kl_k3", "clip_fraction",
                 "staleness", "reward_tests", "reward_format"} <= r.keys() or not r["updated"]
+        # Where the step's wall time went, worker side included (the hand-off crosses processes on one
+        # monotonic clock, so it cannot be negative).
+        assert {"wait_s", "train_s", "sandbox_cpu_s", "slot_wait_s", "sync_s", "handoff_s", "step_cpu_s"} <= r.keys()
+        assert r["handoff_s"] >= 0 and r["sandbox_cpu_s"] >= 0 and ("publish_s" in r) == bool(r["updated"])
 
 
 def test_frozen_recompute_with_several_epochs_gives_the_same_weights(tiny_model_dir, tmp_path):
