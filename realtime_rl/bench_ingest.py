@@ -184,7 +184,9 @@ def _rate(n: int, seconds: float) -> float:
     return round(n / seconds, 1) if seconds > 0 else float("inf")
 
 
-def run(settings, quick: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(settings, quick: bool = False, log: Callable[[str], None] = print,
+        buses: tuple[str, ...] = ("kafka", "embedded")) -> dict[str, Any]:
+    """``buses``: the bus rows to measure (all of them from ``rtrl bench``; one, to iterate on it)."""
     from realtime_rl.event_samples import sample_stream
     from rtrl import devservices
 
@@ -198,16 +200,19 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print) -> di
     results = []
     with ExitStack() as stack:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rtrl-bench-ingest-")))
-        buses: dict[str, Any] = {}
-        if settings.bus.backend == "kafka":
-            buses["kafka"] = settings.bus
+        configured: dict[str, Any] = {"embedded": settings.bus.model_copy(
+            update={"backend": "embedded", "embedded_path": str(root / "bus.db")})}
+        if "kafka" not in buses:
+            pass
+        elif settings.bus.backend == "kafka":
+            configured["kafka"] = settings.bus
         else:
             broker = devservices.start_tansu_broker()
             stack.callback(broker.stop)
-            buses["kafka"] = settings.bus.model_copy(update={"backend": "kafka", "bootstrap_servers": broker.bootstrap})
-        for bus_name, kafka_like in (("kafka", buses["kafka"]), ("embedded", None)):
-            bus = kafka_like if kafka_like is not None else settings.bus.model_copy(
-                update={"backend": "embedded", "embedded_path": str(root / "bus.db")})
+            configured["kafka"] = settings.bus.model_copy(update={"backend": "kafka",
+                                                                  "bootstrap_servers": broker.bootstrap})
+        for bus_name in buses:
+            bus = configured[bus_name]
 
             def fresh(db_url: str, bus=bus) -> Any:
                 topic = f"bench-{uuid.uuid4().hex[:8]}"
