@@ -33,10 +33,12 @@ def test_sigkill_during_ingest_leaves_every_event_exactly_once(tmp_path: Path) -
         proc = subprocess.Popen([sys.executable, "-m", "realtime_rl.ingest"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         before = counts(url, "completions")["completions"]
+        # At a random share of the work left, not after a random delay: a delay that used to land
+        # mid-way let a faster ingester finish first.
+        target = before + rng.uniform(0.05, 0.5) * (len(stream.completions) - before)
         deadline = time.monotonic() + 20
-        while counts(url, "completions")["completions"] == before and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.4))
+        while counts(url, "completions")["completions"] < target and time.monotonic() < deadline:
+            time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         done = counts(url, "completions")["completions"]
