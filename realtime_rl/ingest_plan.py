@@ -169,10 +169,16 @@ def utc(ts: datetime) -> datetime:
 
 def sqlite_timestamp(ts: datetime) -> str:
     """SQLAlchemy's SQLite text for ``ts`` (naive UTC, always six fractional digits). ``isoformat``
-    gives the same text as ``strftime("%Y-%m-%d %H:%M:%S.%f")`` in a third less time (one per row)."""
-    if ts.tzinfo is not None:
-        ts = ts.astimezone(UTC).replace(tzinfo=None)
-    return ts.isoformat(" ", "microseconds")
+    gives the same text as ``strftime("%Y-%m-%d %H:%M:%S.%f")`` in a third less time (one per row).
+    At offset zero (nearly every event) the aware text minus its "+00:00" is the answer: converting
+    first cost more than the formatting (pydantic's ``TzInfo`` makes ``astimezone`` and ``replace``
+    slow), 1.6 -> 1.1 us a row."""
+    offset = ts.utcoffset()
+    if offset is None:
+        return ts.isoformat(" ", "microseconds")
+    if not offset:
+        return ts.isoformat(" ", "microseconds")[:-6]
+    return (ts - offset).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
 def _aware(ts: datetime) -> datetime:

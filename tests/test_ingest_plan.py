@@ -5,14 +5,18 @@ read a second time (the fallback after a unique violation) are the same rows, in
 from __future__ import annotations
 
 import itertools
+from datetime import UTC, datetime, timedelta, timezone
+from zoneinfo import ZoneInfo
 
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from realtime_rl.bus.base import Record
 from realtime_rl.event_samples import sample_stream
+from realtime_rl.events import decode_event
 from realtime_rl.ingest_decode import decode_record
-from realtime_rl.ingest_plan import encode_ahead, plan_batch, staged_rows
+from realtime_rl.ingest_plan import encode_ahead, plan_batch, sqlite_timestamp, staged_rows, utc
 
 TABLES = ("completions", "feedback")
 
@@ -76,3 +80,17 @@ def test_nothing_is_encoded_ahead_for_the_plain_path() -> None:
         assert plan.staging is None
         assert not encode_ahead(plan, 64)
         assert plan.encoded == {}
+
+
+def test_sqlite_timestamps_are_the_text_the_column_type_writes() -> None:
+    bind = sa.DateTime(timezone=True).dialect_impl(sqlite.dialect()).bind_processor(sqlite.dialect())
+    berlin = ZoneInfo("Europe/Berlin")
+    stamps = [decode_event(v).ts for _, v in sample_stream(20, seed=1).messages]  # pydantic's own UTC tzinfo
+    stamps += [datetime(2026, 1, 1, 0, 0, 0, 5, tzinfo=timezone(timedelta(hours=h, minutes=m)))
+               for h in (-12, -1, 0, 5, 14) for m in (0, 30)]
+    stamps += [datetime(2026, 11, 30, 23, 59, 59, 999999), datetime(2026, 1, 1, tzinfo=UTC),
+               datetime(2026, 1, 1, tzinfo=timezone(timedelta(seconds=-1, microseconds=7))),
+               datetime(2026, 10, 25, 2, 30, fold=1, tzinfo=berlin), datetime(2026, 10, 25, 2, 30, tzinfo=berlin)]
+    assert any(s.utcoffset() == timedelta(0) for s in stamps) and any(s.tzinfo is None for s in stamps)
+    for ts in stamps:
+        assert sqlite_timestamp(ts) == bind(utc(ts)), ts
