@@ -169,11 +169,11 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
             conn.exec_driver_sql(_SQLITE_MARK_LATEST, (json_text(sorted(feedback_ids)),))
 
     touched = sorted(set(new_completion_ids) | feedback_ids)
-    if conn.dialect.name == "postgresql":  # the join and pending_feedback in one statement
-        joined = _pg_join(conn, touched, sorted(feedback_ids), now) if touched else set()
-        result.joined = len(joined)
-        result.pending = len(feedback_ids - joined)
-    elif touched:
+    if not touched:
+        pass
+    elif conn.dialect.name == "postgresql":  # the join and pending_feedback in one statement
+        result.joined, result.pending = _pg_join(conn, touched, sorted(feedback_ids), now)
+    else:
         result.joined, result.pending = _sqlite_join(conn, touched, new_completion_ids, sorted(feedback_ids), now)
 
     if plan.versions:
@@ -389,12 +389,14 @@ _EXAMPLE_UPDATED = ("signal", "kept_text", "score", "feedback_event_id", "feedba
                     "updated_at")
 
 
-def _pg_join(conn: sa.Connection, completion_ids: list[str], feedback_ids: list[str], now: datetime) -> set[str]:
+def _pg_join(conn: sa.Connection, completion_ids: list[str], feedback_ids: list[str],
+             now: datetime) -> tuple[int, int]:
     """Upsert the example of every id that has both halves, correct ``is_latest`` for them, and move
     ``pending_feedback``: in ids that got feedback but joined nothing, out ids that joined. Returns
-    the joined ids."""
+    (examples joined, feedback ids left pending)."""
     params = {"ids": json_text(completion_ids), "fb": json_text(feedback_ids), "now": now}
-    return {r[0] for r in conn.exec_driver_sql(_PG_JOIN, params)}
+    joined, pending = conn.exec_driver_sql(_PG_JOIN, params).one()
+    return joined, pending
 
 
 def _sqlite_join(conn: sa.Connection, touched: list[str], new_completion_ids: list[str], feedback_ids: list[str],
@@ -436,7 +438,8 @@ _EXAMPLE_TARGET = (*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback
 # driver's array adapter quoted each element in Python (~0.5 us an id, thousands per batch).
 # The pending_feedback moves ride in the same statement (two round trips fewer per batch); the
 # joined ids come from the INSERT's RETURNING, so "waiting" is exactly the feedback ids that did not
-# join, as before. Data-modifying CTEs share one snapshot; these touch disjoint rows. The DELETE is a
+# join, as before. Only the two counts come back: thousands of returned ids cost the commit thread
+# ~0.5 us each in the driver and SQLAlchemy's rows, holding the GIL the main thread decodes with. Data-modifying CTEs share one snapshot; these touch disjoint rows. The DELETE is a
 # join (hashed or index-probed), not ``= ANY(array)``: a runtime array is searched linearly per row.
 _PG_JOIN = f"""
 WITH latest AS MATERIALIZED (
@@ -461,13 +464,15 @@ WITH latest AS MATERIALIZED (
     RETURNING completion_id
 ), unpend AS (
     DELETE FROM pending_feedback p USING joined j WHERE p.completion_id = j.completion_id
+), waiting AS MATERIALIZED (
+    SELECT w.id FROM json_array_elements_text(%(fb)s::json) AS w(id)
+    WHERE NOT EXISTS (SELECT FROM joined j WHERE j.completion_id = w.id)
 ), pend AS (
     INSERT INTO pending_feedback (completion_id, first_seen_at)
-    SELECT w.id, %(now)s FROM json_array_elements_text(%(fb)s::json) AS w(id)
-    WHERE NOT EXISTS (SELECT FROM joined j WHERE j.completion_id = w.id)
+    SELECT id, %(now)s FROM waiting
     ON CONFLICT (completion_id) DO NOTHING
 )
-SELECT completion_id FROM joined"""
+SELECT (SELECT count(*) FROM joined), (SELECT count(*) FROM waiting)"""
 
 
 # SQLite: the same set-based steps as raw statements, each id list one JSON array parameter read with

@@ -133,7 +133,7 @@ def test_many_small_batches_store_what_one_batch_stores(tmp_path: Path, postgres
     small, one, lite = snapshots
     assert small == one
     assert small == lite
-    # The same batches join and leave pending the same counts on both databases (SQLite counts them
-    # in SQL, PostgreSQL from the joined ids), and feedback did wait for its completion.
+    # The same batches join and leave pending the same counts on both databases (each counts them in
+    # its own SQL), and feedback did wait for its completion.
     assert counted[0] == counted[2] and counted[0][1] > 0
     assert any(r["feedback_count"] > 1 for r in small["training_examples"])
