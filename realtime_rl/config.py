@@ -84,7 +84,7 @@ class IngestSettings(Section):
     staged_writes: bool = Field(True, description="Bulk writes: PostgreSQL gets a binary COPY of typed rows "
                                 "straight into the tables inside a savepoint (a conflicting, i.e. redelivered, row "
                                 "rolls it back and the batch goes through temp tables with ON CONFLICT); SQLite "
-                                "the driver's executemany. Off: multi-row INSERTs through SQLAlchemy (slower, "
+                                "multi-row INSERT OR FAIL statements of up to 256 rows. Off: multi-row INSERTs through SQLAlchemy (slower, "
                                 "same rows).")
     log_every_s: float = Field(10.0, gt=0, description="Progress line interval in follow mode.")
     gc_threshold: int = Field(100_000, ge=0, description="Python's generation-0 GC threshold while ingesting "
