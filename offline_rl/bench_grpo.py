@@ -57,8 +57,20 @@ def _ours(settings: Settings, init_dir: Path, work: Path, mode: str, steps: int,
            "updated_fraction": sum(bool(r.get("updated")) for r in recs) / len(recs),
            "mean_staleness": sum(r["staleness"] for r in recs) / len(recs), "dropped_stale": res.dropped_stale,
            "mean_reward": sum(r["reward_mean"] for r in recs) / len(recs)}
+    # Where a step's time went (means over the steady steps; see offline_rl/grpo.py for each key), and
+    # the CPU it cost all processes: with both modes' work on this machine's cores, that CPU over
+    # the core count is the least sec/step any overlap of rollouts and training could reach.
+    steady = recs[1:]
+    keys = ("wait_s", "gen_s", "gen_cpu_s", "sandbox_cpu_s", "train_s", "train_cpu_s", "step_cpu_s", "handoff_s",
+            "slot_wait_s", "sync_s", "publish_s")
+    out["phases"] = {k: round(sum(r[k] for r in steady) / len(steady), 4) for k in keys if k in steady[-1]}
+    cpu = sum(r["step_cpu_s"] + r.get("sandbox_cpu_s", 0.0) + (r["gen_cpu_s"] if mode == "async" else 0.0)
+              for r in steady) / len(steady)
+    out["cpu_s_per_step"] = round(cpu, 4)
+    out["cpu_floor_sec_per_step"] = round(cpu / (os.cpu_count() or 1), 4)
     log(f"ours[{mode}, {workers} worker(s)]: {sps:.3f} s/step, {out['tokens_per_s']:.0f} tok/s, updated {out['updated_fraction']:.2f}, "
-        f"staleness {out['mean_staleness']:.2f}, dropped {res.dropped_stale}")
+        f"staleness {out['mean_staleness']:.2f}, dropped {res.dropped_stale}, CPU {cpu:.3f} s/step "
+        f"(floor {out['cpu_floor_sec_per_step']:.3f} s/step on {os.cpu_count()} cores)")
     return out
 
 
@@ -145,7 +157,10 @@ def run(settings: Settings, quick: bool, log) -> dict[str, Any]:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(settings.model.threads)
-    steps = 5 if quick else 12
+    # 24 steps, not 12: one step of ours is ~0.1 s, so 12 steps were about a second of steady state,
+    # and one burst of load from another process moved sec/step by 10-30% (sync 0.129-0.167 s on
+    # an otherwise idle machine). Longer runs average such bursts out for every mode alike.
+    steps = 5 if quick else 24
     trl_steps = 4 if quick else 8
     with tempfile.TemporaryDirectory(prefix="bench-grpo-") as tmp:
         work = Path(tmp)
@@ -179,6 +194,9 @@ def run(settings: Settings, quick: bool, log) -> dict[str, Any]:
         "shape": {"prompts": PROMPTS, "samples": GROUP, "max_new_tokens": MAX_TOKENS},
         "steps": {"sync": sync["steps"], "async": asyn["steps"], "trl": trl["steps"]},
         "async_sec_per_step_by_workers": {str(w): round(r["sec_per_step"], 4) for w, r in by_workers.items()},
-        "rollout_workers": best_w, "trainable": settings.grpo.trainable, "trl_gradient_checkpointing": False,
+        "rollout_workers": best_w, "sync_phases": sync["phases"], "async_phases": asyn["phases"],
+        "sync_cpu_s_per_step": sync["cpu_s_per_step"], "async_cpu_s_per_step": asyn["cpu_s_per_step"],
+        "async_cpu_floor_sec_per_step": asyn["cpu_floor_sec_per_step"],
+        "trainable": settings.grpo.trainable, "trl_gradient_checkpointing": False,
         "dtype": "float32", "quick": quick,
     }

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_quick_bench_prints_the_comparison(tmp_path, tiny_model_dir):
     env = {"RTRL_VAR_DIR": str(tmp_path / "var"), "RTRL_MODEL__DIR": str(tiny_model_dir), "HF_HUB_OFFLINE": "1",
@@ -25,3 +27,9 @@ def test_quick_bench_prints_the_comparison(tmp_path, tiny_model_dir):
     assert abs(out["ratio_vs_trl"] - out["trl_sec_per_step"] / best) < 0.01 * out["ratio_vs_trl"]
     assert out["async_mean_staleness"] <= out["rollout_workers"]
     assert out["steps"]["trl"] >= 3 and out["ours_updated_fraction"] > 0
+    # Where the time went: the async side carries the worker's phases, and the CPU all processes
+    # spent per step (the trainer's, the rollout worker's, the sandbox's) gives the 2-core floor.
+    assert {"wait_s", "train_cpu_s", "gen_cpu_s", "sandbox_cpu_s", "handoff_s", "slot_wait_s"} <= out["async_phases"].keys()
+    assert {"gen_cpu_s", "train_cpu_s", "sandbox_cpu_s"} <= out["sync_phases"].keys()
+    assert out["async_cpu_s_per_step"] > out["async_phases"]["train_cpu_s"] > 0
+    assert out["async_cpu_floor_sec_per_step"] == pytest.approx(out["async_cpu_s_per_step"] / out["cpu_count"], abs=1e-3)
