@@ -13,12 +13,13 @@ commit:
 
 - PostgreSQL: typed tuples for COPY's binary format. JSON values are the compact text ``json_text``
   gives (the binary form of ``json`` is its text), timestamps timezone-aware datetimes.
-- SQLite: tuples for the driver's ``executemany``, exactly as the column types would encode them:
+- SQLite: the driver's parameter tuples, exactly as the column types would encode them:
   compact JSON, timestamps in SQLAlchemy's SQLite format (naive UTC, microseconds).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -48,7 +49,7 @@ PG_COPY_TYPES = {
 @dataclass
 class BatchPlan:
     staging: str | None
-    """``"postgresql"`` (binary COPY), ``"sqlite"`` (executemany into a temp table) or None (plain INSERTs)."""
+    """``"postgresql"`` (binary COPY), ``"sqlite"`` (multi-row INSERTs) or None (plain INSERTs)."""
     completions: dict[str, Decoded] = field(default_factory=dict)
     """By completion id; the first event for an id wins, later ones are conflicts."""
     feedback: dict[str, Decoded] = field(default_factory=dict)
@@ -107,7 +108,7 @@ def plan_batch(items: Sequence[Decoded], dialect: sa.Dialect, *, use_copy: bool 
 def staged_rows(plan: BatchPlan, table: str) -> Iterator[tuple]:
     """The staged path's rows for ``table`` (PostgreSQL: typed tuples for binary COPY; SQLite: the
     driver's parameter tuples): those ``encode_ahead`` prepared, then the rest, encoded as they are
-    consumed. The writer streams them (COPY, ``executemany``), so that encoding the rest overlaps the
+    consumed. The writer streams them (COPY, multi-row INSERTs), so that encoding the rest overlaps the
     database's work on the rows already sent. No row outlives its use: thousands of live tuples made
     the batch's one garbage collection ~50 ms instead of a few; a second read (the fallback after a
     unique violation, rare) encodes them all again."""
@@ -116,7 +117,7 @@ def staged_rows(plan: BatchPlan, table: str) -> Iterator[tuple]:
     yield from ahead
     del ahead
     encode = _encoder(plan, table)
-    for item in _items(plan, table)[start:]:
+    for item in _items(plan, table, start):
         yield encode(item)
 
 
@@ -130,17 +131,19 @@ def encode_ahead(plan: BatchPlan, rows: int) -> bool:
         return False
     for table in ("completions", "feedback"):
         ahead = plan.encoded.setdefault(table, [])
-        todo = _items(plan, table)[len(ahead):len(ahead) + rows]
         encode = _encoder(plan, table)
-        ahead.extend([encode(item) for item in todo])
-        rows -= len(todo)
+        before = len(ahead)
+        ahead.extend([encode(item) for item in _items(plan, table, before, before + rows)])
+        rows -= len(ahead) - before
         if rows <= 0:
             return True
     return False
 
 
-def _items(plan: BatchPlan, table: str) -> list[Decoded]:
-    return list((plan.completions if table == "completions" else plan.feedback).values())
+def _items(plan: BatchPlan, table: str, start: int, stop: int | None = None) -> Iterator[Decoded]:
+    """``table``'s items from position ``start``, without copying the others: ``encode_ahead`` takes
+    dozens of slices of one batch, and a list of every item for each would copy the batch each time."""
+    return itertools.islice((plan.completions if table == "completions" else plan.feedback).values(), start, stop)
 
 
 def _encoder(plan: BatchPlan, table: str) -> Callable[[Decoded], tuple]:

@@ -169,11 +169,9 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
             conn.exec_driver_sql(_SQLITE_MARK_LATEST, (json_text(sorted(feedback_ids)),))
 
     touched = sorted(set(new_completion_ids) | feedback_ids)
-    if not touched:
-        pass
-    elif conn.dialect.name == "postgresql":  # the join and pending_feedback in one statement
+    if touched and conn.dialect.name == "postgresql":  # the join and pending_feedback in one statement
         result.joined, result.pending = _pg_join(conn, touched, sorted(feedback_ids), now)
-    else:
+    elif touched:
         result.joined, result.pending = _sqlite_join(conn, touched, new_completion_ids, sorted(feedback_ids), now)
 
     if plan.versions:
@@ -187,7 +185,7 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
 
 
 # Staged batches go straight into completions and feedback inside a savepoint (PostgreSQL: typed rows
-# in COPY's binary format; SQLite: the driver's C ``executemany``, which skips SQLAlchemy's per-value
+# in COPY's binary format; SQLite: multi-row INSERTs of the driver's parameters, which skip SQLAlchemy's per-value
 # bind processing). Events are new almost always (the bus redelivers nothing the database committed:
 # offsets commit with the rows); when one is not (a producer resent it, or an id conflicts), a unique
 # index refuses the insert, the savepoint is rolled back, and the batch goes through temp tables and
@@ -227,7 +225,7 @@ def _pg_session(conn: sa.Connection, *, savepoint: bool) -> None:
 
 def _insert_direct(conn: sa.Connection, plan: BatchPlan, now: datetime) -> tuple[list[str], list[str]] | None:
     """Insert the planned rows straight into completions and feedback inside a savepoint (PostgreSQL:
-    binary COPY; SQLite: the driver's ``executemany``). Returns (completion ids, feedback's completion
+    binary COPY; SQLite: multi-row ``INSERT OR FAIL``). Returns (completion ids, feedback's completion
     ids) written, or None when a unique index refused a row: rolled back to the savepoint, nothing
     written, and the caller stages the batch instead."""
     dbapi_error = conn.dialect.loaded_dbapi.Error
@@ -439,8 +437,9 @@ _EXAMPLE_TARGET = (*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback
 # The pending_feedback moves ride in the same statement (two round trips fewer per batch); the
 # joined ids come from the INSERT's RETURNING, so "waiting" is exactly the feedback ids that did not
 # join, as before. Only the two counts come back: thousands of returned ids cost the commit thread
-# ~0.5 us each in the driver and SQLAlchemy's rows, holding the GIL the main thread decodes with. Data-modifying CTEs share one snapshot; these touch disjoint rows. The DELETE is a
-# join (hashed or index-probed), not ``= ANY(array)``: a runtime array is searched linearly per row.
+# ~0.5 us each in the driver and SQLAlchemy's rows, holding the GIL the main thread decodes with.
+# Data-modifying CTEs share one snapshot; these touch disjoint rows. The DELETE is a join (hashed or
+# index-probed), not ``= ANY(array)``: a runtime array is searched linearly per row.
 _PG_JOIN = f"""
 WITH latest AS MATERIALIZED (
     SELECT k.id, l.*
