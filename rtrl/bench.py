@@ -26,12 +26,47 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
+CALIBRATION_LOOP = 1_000_000
+"""Iterations of the fixed pure-Python loop timed by :func:`python_speed_ms`."""
+
+
+def python_speed_ms(repeats: int = 5) -> float:
+    """Milliseconds this machine takes for a fixed pure-Python loop (best of ``repeats``).
+
+    The gateway's overhead and most per-event costs are interpreter time, so absolute milliseconds
+    from two machines (or one virtual machine on two days) compare only through this: results from
+    a host where it reads 2x higher are about 2x slower for the same code. Best-of, because load
+    can only slow a run down."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(CALIBRATION_LOOP):
+            total += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1000, 2)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine_record(threads: int) -> dict[str, Any]:
-    """What a reader needs to judge a number: the load it ran under and the threads it used."""
+    """What a reader needs to judge a number: the load it ran under, the threads it used, and how fast
+    this machine runs Python (``python_loop_ms``, see :func:`python_speed_ms`)."""
     load1, load5, _ = os.getloadavg()
     return {
         "threads": threads,
         "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "python_loop_ms": python_speed_ms(),
         "loadavg_1m_start": round(load1, 2),
         "loadavg_5m_start": round(load5, 2),
         "python": platform.python_version(),

@@ -1,0 +1,52 @@
+"""What every `rtrl bench` result line carries about the machine it ran on."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from typer.testing import CliRunner
+
+from rtrl import bench
+
+
+def test_machine_record_names_the_machine_and_its_python_speed() -> None:
+    record = bench.machine_record(threads=3)
+    assert record["threads"] == 3
+    assert record["cpu_count"] >= 1
+    assert isinstance(record["cpu_model"], str) and record["cpu_model"]
+    assert math.isfinite(record["python_loop_ms"]) and record["python_loop_ms"] > 0
+    assert {"loadavg_1m_start", "loadavg_5m_start", "python", "machine"} <= record.keys()
+
+
+def test_python_speed_scales_with_the_work(monkeypatch) -> None:
+    """The calibration times the loop it names: 20x the iterations take clearly longer (best-of
+    timings, so load can only push the small one up, never the large one down below it)."""
+    monkeypatch.setattr(bench, "CALIBRATION_LOOP", 20_000)
+    small = bench.python_speed_ms(repeats=3)
+    monkeypatch.setattr(bench, "CALIBRATION_LOOP", 400_000)
+    large = bench.python_speed_ms(repeats=3)
+    assert large > 3 * small
+
+
+def test_bench_command_prints_the_machine_record_in_its_json_line(monkeypatch) -> None:
+    import typer
+
+    app = typer.Typer()
+    bench.register(app)
+
+    @app.command("noop")
+    def _noop() -> None:  # a second command keeps typer from collapsing the app into `bench`
+        pass
+
+    monkeypatch.setitem(bench.BENCHMARKS, "probe", "tests.test_bench_record:_probe_run")
+    result = CliRunner().invoke(app, ["bench", "probe", "--json"])
+    assert result.exit_code == 0, result.output
+    line = json.loads(result.output.strip().splitlines()[-1])
+    assert line["bench"] == "probe" and line["value"] == 42
+    assert line["python_loop_ms"] > 0 and "cpu_model" in line and "wall_s" in line
+
+
+def _probe_run(settings, quick: bool, log) -> dict:
+    log("probe running")
+    return {"value": 42}
