@@ -20,11 +20,13 @@ commit:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import sqlalchemy as sa
+from pydantic_core import TzInfo, to_json
 
 from realtime_rl.database import json_text
 from realtime_rl.events import CompletionEvent, FeedbackEvent, ModelVersionEvent
@@ -107,18 +109,23 @@ def plan_batch(items: Sequence[Decoded], dialect: sa.Dialect, *, use_copy: bool 
 
 def staged_rows(plan: BatchPlan, table: str) -> Iterator[tuple]:
     """The staged path's rows for ``table`` (PostgreSQL: typed tuples for binary COPY; SQLite: the
-    driver's parameter tuples): those ``encode_ahead`` prepared, then the rest, encoded as they are
-    consumed. The writer streams them (COPY, multi-row INSERTs), so that encoding the rest overlaps the
-    database's work on the rows already sent. No row outlives its use: thousands of live tuples made
-    the batch's one garbage collection ~50 ms instead of a few; a second read (the fallback after a
-    unique violation, rare) encodes them all again."""
+    driver's parameter tuples): those ``encode_ahead`` prepared, then the rest, encoded a slice at a
+    time as they are consumed. The writer streams them (COPY, multi-row INSERTs), so that encoding the
+    rest overlaps the database's work on the rows already sent. No row outlives its use: thousands of
+    live tuples made the batch's one garbage collection ~50 ms instead of a few; a second read (the
+    fallback after a unique violation, rare) encodes them all again."""
     ahead = plan.encoded.pop(table, [])
     start = len(ahead)
     yield from ahead
     del ahead
-    encode = _encoder(plan, table)
-    for item in _items(plan, table, start):
-        yield encode(item)
+    items = _items(plan, table, start)
+    while chunk := list(itertools.islice(items, _ENCODE_SLICE)):
+        yield from _encode(plan, table, chunk)
+
+
+_ENCODE_SLICE = 256
+"""Rows the writer's stream encodes at once (one SQLite INSERT's worth): the timestamps of a slice are
+formatted in one call."""
 
 
 def encode_ahead(plan: BatchPlan, rows: int) -> bool:
@@ -131,10 +138,11 @@ def encode_ahead(plan: BatchPlan, rows: int) -> bool:
         return False
     for table in ("completions", "feedback"):
         ahead = plan.encoded.setdefault(table, [])
-        encode = _encoder(plan, table)
         before = len(ahead)
-        ahead.extend([encode(item) for item in _items(plan, table, before, before + rows)])
-        rows -= len(ahead) - before
+        chunk = list(_items(plan, table, before, before + rows))
+        if chunk:
+            ahead.extend(_encode(plan, table, chunk))
+        rows -= len(chunk)
         if rows <= 0:
             return True
     return False
@@ -146,13 +154,36 @@ def _items(plan: BatchPlan, table: str, start: int, stop: int | None = None) -> 
     return itertools.islice((plan.completions if table == "completions" else plan.feedback).values(), start, stop)
 
 
-def _encoder(plan: BatchPlan, table: str) -> Callable[[Decoded], tuple]:
+def _encode(plan: BatchPlan, table: str, items: list[Decoded]) -> list[tuple]:
+    """``items``' staged rows for ``table``, in order. Fields come from each event's ``__dict__`` by one
+    ``itemgetter`` call: a pydantic model's attribute access goes through its ``__getattr__`` hook
+    (~0.1 us each, 18 per completion)."""
+    events = [i.event.__dict__ for i in items]
     pg = plan.staging == "postgresql"
     if table == "completions":
-        completion = _completion_pg if pg else _completion_sqlite
-        return lambda item: completion(item.event)
-    feedback, newest = (_feedback_pg if pg else _feedback_sqlite), plan.newest
-    return lambda item: feedback(item.event, item.event.event_id in newest)
+        if pg:
+            return [(*_completion_head(e), *_completion_json(e), *_completion_tail(e), _aware(e["ts"]))
+                    for e in events]
+        return [(*_completion_head(e), *_completion_json(e), *_completion_tail(e), ts)
+                for e, ts in zip(events, sqlite_timestamps([e["ts"] for e in events]), strict=True)]
+    newest = plan.newest
+    if pg:
+        return [(*_feedback_head(e), None if e["score"] is None else float(e["score"]), e["comment"],
+                 _aware(e["ts"]), e["event_id"] in newest) for e in events]
+    return [(*_feedback_head(e), e["score"], e["comment"], ts, int(e["event_id"] in newest))
+            for e, ts in zip(events, sqlite_timestamps([e["ts"] for e in events]), strict=True)]
+
+
+_completion_head = operator.itemgetter(*COMPLETION_COLUMNS[:7])
+_completion_tail = operator.itemgetter(*COMPLETION_COLUMNS[13:17])
+_feedback_head = operator.itemgetter(*FEEDBACK_COLUMNS[:6])
+
+
+def _completion_json(e: dict) -> tuple:
+    """The JSON columns of a completion (its ``__dict__``), in column order."""
+    return (json_text(e["prompt_token_ids"]), json_text(e["completion_token_ids"]), json_text(e["logprobs"]),
+            None if e["sampling_logprobs"] is None else json_text(e["sampling_logprobs"]),
+            None if e["expert_ids"] is None else json_text(e["expert_ids"]), json_text(e["sampling"]))
 
 
 def newest_in_batch(events: list[FeedbackEvent]) -> set[str]:
@@ -184,33 +215,29 @@ def sqlite_timestamp(ts: datetime) -> str:
     return (ts - offset).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
+def sqlite_timestamps(stamps: list[datetime]) -> list[str]:
+    """``sqlite_timestamp`` of each of ``stamps``, usually for all of them in one serializer call.
+
+    pydantic-core writes a timestamp whose offset is zero with microseconds as
+    ``"YYYY-MM-DDTHH:MM:SS.ffffffZ"`` (27 characters): the SQLite text once the ``T`` is a space and
+    the ``Z`` gone. A list of only those is exactly ``30 n + 1`` characters long with ``n`` closing
+    ``Z"`` (the other forms, naive, with an offset or without microseconds, are 19 to 32 characters,
+    and a ``Z"`` closes only the zero-offset ones of 20 or 27), so the whole list is converted by three
+    string operations. Only for pydantic's own ``TzInfo`` (what decoded events carry), whose offsets
+    are whole seconds: a ``datetime.timezone`` of a few microseconds is written ``Z`` too. Anything
+    else goes one at a time. ~5k instructions a timestamp instead of ~16k (``isoformat`` formats with
+    ``printf`` and asks ``TzInfo`` for the offset twice)."""
+    n = len(stamps)
+    if n and set(map(type, map(_tzinfo, stamps))) == {TzInfo}:
+        text = to_json(stamps).decode()
+        if len(text) == 30 * n + 1 and text.count('Z"') == n:
+            return text[2:-3].replace("T", " ").split('Z","')
+    return [sqlite_timestamp(ts) for ts in stamps]
+
+
+_tzinfo = operator.attrgetter("tzinfo")
+
+
 def _aware(ts: datetime) -> datetime:
     """Naive event timestamps mean UTC (as everywhere in the schema); aware ones travel as they are."""
     return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
-
-
-def _completion_fields(e: CompletionEvent, ts) -> tuple:
-    """A completions row in table column order; ``ts`` is the dialect's timestamp value."""
-    return (e.completion_id, e.event_id, e.caller, e.model, e.version, e.prompt, e.completion,
-            json_text(e.prompt_token_ids), json_text(e.completion_token_ids), json_text(e.logprobs),
-            None if e.sampling_logprobs is None else json_text(e.sampling_logprobs),
-            None if e.expert_ids is None else json_text(e.expert_ids), json_text(e.sampling),
-            e.finish_reason, e.latency_ms, e.task_bucket, e.choice_index, ts)
-
-
-def _completion_pg(e: CompletionEvent) -> tuple:
-    return _completion_fields(e, _aware(e.ts))
-
-
-def _feedback_pg(e: FeedbackEvent, is_latest: bool) -> tuple:
-    return (e.event_id, e.completion_id, e.caller, e.version, e.signal, e.kept_text,
-            None if e.score is None else float(e.score), e.comment, _aware(e.ts), is_latest)
-
-
-def _completion_sqlite(e: CompletionEvent) -> tuple:
-    return _completion_fields(e, sqlite_timestamp(e.ts))
-
-
-def _feedback_sqlite(e: FeedbackEvent, is_latest: bool) -> tuple:
-    return (e.event_id, e.completion_id, e.caller, e.version, e.signal, e.kept_text, e.score, e.comment,
-            sqlite_timestamp(e.ts), int(is_latest))

@@ -16,7 +16,14 @@ from realtime_rl.bus.base import Record
 from realtime_rl.event_samples import sample_stream
 from realtime_rl.events import decode_event
 from realtime_rl.ingest_decode import decode_record
-from realtime_rl.ingest_plan import encode_ahead, plan_batch, sqlite_timestamp, staged_rows, utc
+from realtime_rl.ingest_plan import (
+    encode_ahead,
+    plan_batch,
+    sqlite_timestamp,
+    sqlite_timestamps,
+    staged_rows,
+    utc,
+)
 
 TABLES = ("completions", "feedback")
 
@@ -94,3 +101,21 @@ def test_sqlite_timestamps_are_the_text_the_column_type_writes() -> None:
     assert any(s.utcoffset() == timedelta(0) for s in stamps) and any(s.tzinfo is None for s in stamps)
     for ts in stamps:
         assert sqlite_timestamp(ts) == bind(utc(ts)), ts
+
+
+def test_timestamps_formatted_together_are_the_ones_formatted_alone() -> None:
+    """The batched form (one serializer call when every stamp is a decoded UTC one with microseconds)
+    agrees with ``sqlite_timestamp`` whichever stamps a slice holds, the forms it must not take whole
+    included: a microsecond offset (written ``Z``), second offsets (written ``+00:00``), no microseconds."""
+    decoded = [decode_event(v).ts for _, v in sample_stream(300, seed=1).messages]
+    odd = [datetime(2026, 1, 1, 0, 0, 0, 5, tzinfo=timezone(timedelta(microseconds=1))),
+           datetime(2026, 1, 1, 0, 0, 0, 5, tzinfo=timezone(timedelta(seconds=30))),
+           datetime(2026, 1, 1, 0, 0, 0, 5, tzinfo=UTC), datetime(2026, 1, 1, 0, 0, 0, 5),
+           decode_event(sample_stream(1, seed=3).messages[0][1]).ts.replace(microsecond=0),
+           datetime(5, 1, 1, 0, 0, 0, 5, tzinfo=decoded[0].tzinfo),
+           datetime(2026, 1, 1, 0, 0, 0, 5, tzinfo=ZoneInfo("Europe/London"))]
+    assert sqlite_timestamps(decoded) == [sqlite_timestamp(ts) for ts in decoded]
+    assert sqlite_timestamps([]) == []
+    for ts in odd:
+        stamps = [*decoded[:3], ts, *decoded[3:6]]
+        assert sqlite_timestamps(stamps) == [sqlite_timestamp(s) for s in stamps], ts
