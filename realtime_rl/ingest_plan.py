@@ -28,7 +28,6 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from pydantic_core import TzInfo, to_json
 
-from realtime_rl.database import json_text
 from realtime_rl.events import CompletionEvent, FeedbackEvent, ModelVersionEvent
 from realtime_rl.ingest_decode import CONFLICT, Decoded
 
@@ -87,20 +86,24 @@ def plan_batch(items: Sequence[Decoded], dialect: sa.Dialect, *, use_copy: bool 
         if event is None:
             dead.append((item, None, None))
             continue
-        if event.event_id in seen_events:
+        # Fields from the model's __dict__: its attributes go through pydantic's __getattr__ hook.
+        fields = event.__dict__
+        event_id = fields["event_id"]
+        if event_id in seen_events:
             duplicates += 1
             continue
-        seen_events.add(event.event_id)
+        seen_events.add(event_id)
         if isinstance(event, CompletionEvent):
-            if event.completion_id in completions:
-                dead.append((item, CONFLICT, f"completion_id {event.completion_id!r} already used by another "
+            completion_id = fields["completion_id"]
+            if completion_id in completions:
+                dead.append((item, CONFLICT, f"completion_id {completion_id!r} already used by another "
                                              "event in this batch"))
                 continue
-            completions[event.completion_id] = item
+            completions[completion_id] = item
         elif isinstance(event, FeedbackEvent):
-            feedback[event.event_id] = item
+            feedback[event_id] = item
         else:
-            versions[event.event_id] = event
+            versions[event_id] = event
     plan = BatchPlan(staging_for(dialect, use_copy, len(completions) + len(feedback)), completions, feedback,
                      newest_in_batch([i.event for i in feedback.values()]), list(versions.values()), dead,
                      duplicates)
@@ -180,10 +183,12 @@ _feedback_head = operator.itemgetter(*FEEDBACK_COLUMNS[:6])
 
 
 def _completion_json(e: dict) -> tuple:
-    """The JSON columns of a completion (its ``__dict__``), in column order."""
-    return (json_text(e["prompt_token_ids"]), json_text(e["completion_token_ids"]), json_text(e["logprobs"]),
-            None if e["sampling_logprobs"] is None else json_text(e["sampling_logprobs"]),
-            None if e["expert_ids"] is None else json_text(e["expert_ids"]), json_text(e["sampling"]))
+    """The JSON columns of a completion (its ``__dict__``), in column order: ``json_text``'s encoding,
+    called directly (six calls a completion, each a Python frame through ``json_text``)."""
+    return (to_json(e["prompt_token_ids"]).decode(), to_json(e["completion_token_ids"]).decode(),
+            to_json(e["logprobs"]).decode(),
+            None if e["sampling_logprobs"] is None else to_json(e["sampling_logprobs"]).decode(),
+            None if e["expert_ids"] is None else to_json(e["expert_ids"]).decode(), to_json(e["sampling"]).decode())
 
 
 def newest_in_batch(events: list[FeedbackEvent]) -> set[str]:
