@@ -7,6 +7,7 @@ result as the last line, one JSON object, so that scripts can read it with ``tai
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -48,13 +49,11 @@ def python_speed_ms(repeats: int = 5) -> float:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    # /proc/cpuinfo names the model on Linux; elsewhere (no /proc) platform's answer, often empty.
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown"
 
 

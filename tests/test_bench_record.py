@@ -36,8 +36,8 @@ def test_bench_command_prints_the_machine_record_in_its_json_line(monkeypatch) -
     bench.register(app)
 
     @app.command("noop")
-    def _noop() -> None:  # a second command keeps typer from collapsing the app into `bench`
-        pass
+    def _noop() -> None:
+        """A second command: with one, typer would collapse the app into `bench` itself."""
 
     monkeypatch.setitem(bench.BENCHMARKS, "probe", "tests.test_bench_record:_probe_run")
     result = CliRunner().invoke(app, ["bench", "probe", "--json"])
