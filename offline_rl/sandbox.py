@@ -28,6 +28,12 @@ from offline_rl.tasks import TestCase
 ZYGOTE = Path(__file__).with_name("sandbox_zygote.py")
 Status = Literal["passed", "failed", "error", "timeout"]
 
+# The zygote's reply format (its module runs as a script and is not imported here; a test checks
+# that these match sandbox_zygote's own).
+JSON_REPLY, RUN_REPLY = ord("J"), ord("R")
+RUN_HEAD = struct.Struct(">??iiddd")
+TRUNCATED_LINES = 1000  # report lines decoded from a run that exceeded the zygote's output limit
+
 
 class SandboxError(RuntimeError):
     """The sandbox itself failed (could not start, harness fault); not a verdict on the program."""
@@ -107,7 +113,10 @@ class Sandbox:
         if len(head) < 4:
             return None
         (n,) = struct.unpack(">I", head)
-        return json.loads(self._proc.stdout.read(n))
+        payload = self._proc.stdout.read(n)
+        if len(payload) < n:
+            return None
+        return decode_reply(payload)
 
     def execute(self, code: str, entry_point: str, inputs: Sequence[Sequence[Any]]) -> dict:
         """Raw run: the zygote's reply (per-input values/errors as reported by the child)."""
@@ -167,6 +176,35 @@ class Sandbox:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def decode_reply(payload: bytes) -> dict:
+    """A zygote reply as a dict; a run's output becomes its report lines (``lines``)."""
+    if payload[0] == JSON_REPLY:
+        return json.loads(payload[1:])
+    if payload[0] != RUN_REPLY:
+        raise SandboxError(f"sandbox reply of unknown kind {payload[:1]!r}")
+    killed, truncated, sig, exit_code, wall_s, cpu_s, zygote_cpu_s = RUN_HEAD.unpack_from(payload, 1)
+    return {"lines": decode_lines(payload[1 + RUN_HEAD.size:], truncated), "killed": killed,
+            "truncated": truncated, "signal": None if sig < 0 else sig, "exit_code": None if exit_code < 0 else exit_code,
+            "wall_s": wall_s, "cpu_s": cpu_s, "zygote_cpu_s": zygote_cpu_s}
+
+
+def decode_lines(output: bytes, truncated: bool = False) -> list:
+    """A child's output, one JSON value per non-blank line (``{"garbage": True}`` where a line is not
+    JSON). Of an output that went over the limit only the first TRUNCATED_LINES count: such a run
+    has failed, and its head and first reports are all that scoring needs."""
+    lines: list = []
+    loads = json.loads
+    for raw in output.split(b"\n"):
+        if truncated and len(lines) >= TRUNCATED_LINES:
+            break
+        if raw.strip():
+            try:
+                lines.append(loads(raw))
+            except ValueError:
+                lines.append({"garbage": True})
+    return lines
 
 
 def score_reply(reply: dict, tests: Sequence[TestCase]) -> RunResult:
