@@ -110,3 +110,24 @@ def test_children_start_from_the_zygotes_random_state(sandbox):
     code = "import random\ndef f(x):\n    return [random.random() for _ in range(3)]\n"
     first, second = (sandbox.execute(code, "f", [[0]])["lines"] for _ in range(2))
     assert first == second and "value" in first[0]
+
+
+@pytest.mark.parametrize("value", [1, 1.0, True, None, "é", [1, {"b": 2, "a": [None, 1.5]}], {"x": float("-inf")},
+                                   -2**80, {2: "b", 1: "a"}, []])
+def test_canonical_is_json_dumps_with_sorted_keys(value):
+    assert parent.canonical(value) == json.dumps(value, sort_keys=True)
+
+
+def test_canonical_refuses_what_json_cannot_hold():
+    for bad in (object(), {1, 2}, [b"bytes"]):
+        with pytest.raises(TypeError):
+            parent.canonical(bad)
+
+
+def test_a_line_nested_past_the_decoders_depth_is_garbage(sandbox):
+    # Written by the program straight onto the result pipe: the parent's decoder gives up on it with
+    # RecursionError, which must make it garbage, not a harness fault that stops the caller.
+    code = ("import os\nos.write(3, b'[' * 100000 + b']' * 100000 + b'\\n')\n"
+            "def f(x):\n    return 3*x+1\n")
+    reply = sandbox.execute(code, "f", [[0], [1]])
+    assert reply["lines"] == [{"garbage": True}, {"i": 0, "value": 1}, {"i": 1, "value": 4}]
