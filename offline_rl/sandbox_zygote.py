@@ -1,7 +1,9 @@
 """Sandbox fork server: runs model-written programs in isolated, resource-limited children.
 
-Started by :class:`offline_rl.sandbox.Sandbox` as ``python -I -S sandbox_zygote.py MODE``; it imports
-only the standard library (no site-packages, no project code), so it runs from its path alone.
+Started by :class:`offline_rl.sandbox.Sandbox` with ``python -I -S``, which imports this module by its
+path and calls :func:`main` (``python -I -S sandbox_zygote.py MODE`` works too, at the cost of
+compiling the script on every start); it imports only the standard library (no site-packages, no
+project code), so it runs from its path alone.
 
 Why a fork server: a fresh interpreter costs ~20–30 ms, a fork of this small warm one ~1–2 ms, and
 GRPO scores thousands of programs. The zygote itself never runs model code (it only compiles it,

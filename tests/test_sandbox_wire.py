@@ -131,3 +131,10 @@ def test_a_line_nested_past_the_decoders_depth_is_garbage(sandbox):
             "def f(x):\n    return 3*x+1\n")
     reply = sandbox.execute(code, "f", [[0], [1]])
     assert reply["lines"] == [{"garbage": True}, {"i": 0, "value": 1}, {"i": 1, "value": 4}]
+
+
+def test_the_zygotes_directory_is_not_left_on_the_programs_path(sandbox):
+    # The zygote is imported from its directory at start; a program must not find the project's
+    # other modules next to it.
+    lines = sandbox.execute("import sys\ndef f(x):\n    return sys.path\n", "f", [[0]])["lines"]
+    assert str(parent.ZYGOTE.parent) not in lines[0]["value"]
