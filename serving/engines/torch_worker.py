@@ -20,9 +20,12 @@ Two pipes, so that a slow load never delays a batch:
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
+import sys
 import threading
+import traceback
 from typing import Any
 
 
@@ -82,6 +85,21 @@ def main(gen_conn, ctl_conn, threads: int, dtype: str, device: str) -> None:
                 return
 
     threading.Thread(target=control, name="torch-worker-loader", daemon=True).start()
+    status = 0
+    try:
+        _serve(gen_conn, models, tok_box)
+    except BaseException:  # noqa: BLE001 - reported below; the parent sees the pipe close
+        traceback.print_exc()
+        status = 1
+    # Leave without the interpreter's teardown: a native thread pool still holding a joinable
+    # std::thread when static destructors run aborts the process ("terminate called without an
+    # active exception", exit status -6). Nothing here needs flushing but the standard streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _serve(gen_conn, models: dict[int, Any], tok_box: list[Any]) -> None:
     send = gen_conn.send
     while True:
         try:
