@@ -46,7 +46,7 @@ from starlette.requests import ClientDisconnect
 from policy.sampling import ContextTooLong, SamplingParams
 from realtime_rl.events import CompletionEvent, FeedbackEvent, SamplingRecord
 from serving.chat import render_chat
-from serving.engines.base import EngineClosed, Generation, Overloaded
+from serving.engines.base import PRODUCTION, EngineClosed, Generation, Overloaded
 from serving.gateway import Gateway, UnknownModel
 from serving.schemas import (
     ChatChunk,
@@ -383,9 +383,9 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
                            f"{s.max_batch * 4}", "invalid_request_error", "too_many_sequences")
         return rows, params, channel, max_new
 
-    def submit(rows, params, channel, listener=None):
+    def submit(rows, params, channel, listener=None) -> asyncio.Future:
         try:
-            return gw.engine.submit(rows, params, channel, listener)
+            return gw.engine.submit_async(rows, params, channel, listener)
         except Overloaded as err:
             raise APIError(503, f"overloaded: {err}", "server_overloaded", "overloaded", retry_after=1) from None
         except EngineClosed as err:
@@ -401,15 +401,25 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         raise err  # a bug: the 500 handler logs it
 
     async def generate(key_id: str, req, prompts: list[list[int]], max_tokens: int | None):
+        """Generate, and sign each choice's completion id and feedback token while the engine works:
+        returns (generations, engine seconds, max_new, attribution)."""
         rows, params, channel, max_new = plan(req, prompts, max_tokens, key_id)
         fut = submit(rows, params, channel)
         t0 = time.perf_counter()
+        # The version that will serve the rows is fixed when their batch starts; it is almost always the
+        # one live now, so the ids are made now, off the response's path, and again only after a swap.
+        live = gw.engine.versions()
+        expected = live.get(channel) or live.get(PRODUCTION)
+        ids = attribution(key_id, len(rows), expected) if expected is not None else None
         try:
             async with asyncio.timeout(s.request_timeout_s):
-                gens: list[Generation] = await asyncio.wrap_future(fut)
+                gens: list[Generation] = await fut
         except (TimeoutError, EngineClosed, ContextTooLong) as err:
             raise engine_error(err) from None
-        return gens, (time.perf_counter() - t0), max_new
+        engine_s = time.perf_counter() - t0
+        if ids is None or gens[0].version != expected:
+            ids = attribution(key_id, len(gens), gens[0].version)
+        return gens, engine_s, max_new, ids
 
     def attribution(key_id: str, n_choices: int, version: str) -> list[tuple[str, str]]:
         """(completion_id, feedback_token) for each choice."""
@@ -665,8 +675,7 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         prompts, texts = prompt_rows(req)
         if req.stream:
             return await stream(key_id, req, route, prompts, texts, req.max_tokens, t_start, CompletionChunks(req))
-        gens, engine_s, max_new = await generate(key_id, req, prompts, req.max_tokens)
-        ids = attribution(key_id, len(gens), gens[0].version)
+        gens, engine_s, max_new, ids = await generate(key_id, req, prompts, req.max_tokens)
         choices = [{"index": idx, "text": g.sample.text, "logprobs": completion_logprobs_dict(req, g, _finite),
                     "finish_reason": g.sample.finish_reason, "completion_id": cid, "feedback_token": token}
                    for idx, (g, (cid, token)) in enumerate(zip(gens, ids, strict=True))]
@@ -686,8 +695,7 @@ def create_app(settings, gateway: Gateway | None = None) -> FastAPI:
         max_tokens = req.max_completion_tokens or req.max_tokens
         if req.stream:
             return await stream(key_id, req, route, prompts, [text], max_tokens, t_start, ChatChunks(req))
-        gens, engine_s, max_new = await generate(key_id, req, prompts, max_tokens)
-        ids = attribution(key_id, len(gens), gens[0].version)
+        gens, engine_s, max_new, ids = await generate(key_id, req, prompts, max_tokens)
         choices = [{"index": i, "message": {"role": "assistant", "content": g.sample.text},
                     "logprobs": chat_logprobs_dict(req, g, _finite), "finish_reason": g.sample.finish_reason,
                     "completion_id": cid, "feedback_token": token}

@@ -3,9 +3,13 @@ and the demo) and :func:`serve_forever` (the `rtrl serve` command)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 import threading
 import time
+from concurrent.futures import Future
 
 from serving.app import create_app
 from serving.gateway import Gateway
@@ -43,7 +47,7 @@ class GatewayServer:
         self.port = port if port is not None else _free_port(self.host)
         self.gateway = gateway or Gateway(settings)
         self._server = None
-        self._thread: threading.Thread | None = None
+        self._done: Future | None = None
 
     @property
     def url(self) -> str:
@@ -58,13 +62,12 @@ class GatewayServer:
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
                                 lifespan="on", timeout_graceful_shutdown=10, **uvicorn_options())
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="gateway-uvicorn", daemon=True)
-        self._thread.start()
+        self._done = start_server(self._server, getattr(self.gateway.engine, "loop", None))
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
-            if not self._thread.is_alive():
+            if self._done.done():
                 self.gateway.stop()
-                raise RuntimeError(f"the gateway server did not start on {self.url}")
+                raise RuntimeError(f"the gateway server did not start on {self.url}") from self._done.exception()
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the gateway server did not start on {self.url} within {timeout_s} s")
@@ -74,8 +77,9 @@ class GatewayServer:
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        if self._done is not None:
+            with contextlib.suppress(Exception):  # a server that failed has nothing left to stop
+                self._done.result(timeout=30)
         self.gateway.stop()
 
     def __enter__(self) -> GatewayServer:
@@ -83,6 +87,36 @@ class GatewayServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_server(server, loop: asyncio.AbstractEventLoop | None = None) -> Future:
+    """Run ``server`` (a ``uvicorn.Server``) in the background; the future resolves when it has stopped.
+
+    The gateway passes the engine's event loop when it has one
+    (:class:`serving.engines.torch_process.ProcessTorchEngine`): the server then runs on that loop, so
+    request handlers hand batches to the engine process and receive their results on one thread, with
+    no hand-off between threads (the engine's docstring says why that matters). Without a loop (other
+    engines run their own batcher thread) the server gets a thread and a loop of its own, as
+    ``uvicorn.run`` would."""
+    if loop is not None:
+        async def serve() -> None:
+            try:
+                await server.serve()
+            except SystemExit as err:  # uvicorn exits on a failed start-up; here that would stop the engine's loop
+                raise RuntimeError(f"the HTTP server failed to start (exit status {err.code})") from None
+
+        return asyncio.run_coroutine_threadsafe(serve(), loop)
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            server.run()
+            done.set_result(None)
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits for the server
+            done.set_exception(err)
+
+    threading.Thread(target=run, name="gateway-uvicorn", daemon=True).start()
+    return done
 
 
 def serve_forever(settings) -> None:
@@ -97,8 +131,24 @@ def serve_forever(settings) -> None:
     log.warning("rtrl gateway on http://%s:%d (engine %s, serving %s)", s.host, port, s.engine,
                 gateway.engine.versions())
     print(f"rtrl gateway listening on http://{s.host}:{port}", flush=True)
+    config = uvicorn.Config(app, host=s.host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=10, **uvicorn_options())
+    server = uvicorn.Server(config)
+
+    def shutdown(signum, frame) -> None:  # uvicorn listens for signals only in the main thread's loop
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.run(app, host=s.host, port=port, log_level="warning", access_log=False,
-                    timeout_graceful_shutdown=10, **uvicorn_options())
+        done = start_server(server, getattr(gateway.engine, "loop", None))
+        while True:  # a timed wait, so that the main thread runs the signal handlers
+            try:
+                done.result(timeout=0.5)
+                break
+            except TimeoutError:
+                continue
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.should_exit = True
         gateway.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 PROMPT = "# f(0)=7 f(1)=15 f(2)=23 f(8)=71\ndef f(x): return "
@@ -76,3 +77,34 @@ def read_events(bus_settings, timeout_s: float = 2.0):
                 got[rec.partition] = rec.offset + 1
                 out.append(decode_event(rec.value))
     return out
+
+
+@contextmanager
+def engine_held(engine):
+    """Inside, submitted requests queue up and none starts; on leaving, they are free to form one batch.
+
+    The in-thread engine: its batcher's lock is held (``submit`` takes it re-entrantly on this thread).
+    The process engine: its child is stopped (SIGSTOP) with a one-token filler batch in flight, so the
+    engine's event loop keeps running (HTTP requests are read and queued) but no batch can start; the
+    filler's batch ends right after the child continues, before the held requests' batch."""
+    import signal
+    import time
+
+    from policy.sampling import SamplingParams
+
+    if not hasattr(engine, "loop"):
+        with engine._cond:
+            yield
+        return
+    pid = engine._proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        filler = engine.submit([[1, 2]], [SamplingParams(max_new_tokens=1)])
+        deadline = time.monotonic() + 10
+        while engine._inflight is None or engine.queue_depth:
+            assert time.monotonic() < deadline, "the filler batch did not start"
+            time.sleep(0.001)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    filler.result(60)

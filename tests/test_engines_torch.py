@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import pytest
-from serving_fixtures import PROMPT, gateway_settings, make_versions
+from serving_fixtures import PROMPT, engine_held, gateway_settings, make_versions
 
 from policy.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, tiny_model_dir):
-    from serving.engines.torch_engine import TorchEngine
+    from serving.engines import create_engine
     from serving.versions import DirSource
 
     settings = gateway_settings(tmp_path_factory.mktemp("eng"), tiny_model_dir, batch_window_ms=100, max_batch=8,
                                 max_queue=12)
-    eng = TorchEngine(settings)
+    eng = create_engine(settings)
     eng.load(DirSource(tiny_model_dir).current("production"))
     yield eng
     eng.close()
@@ -54,11 +54,11 @@ def test_max_batch_splits_and_queue_bound_refuses(engine):
 
 
 def test_close_fails_waiting_requests_cleanly(tmp_path, tiny_model_dir):
+    from serving.engines import create_engine
     from serving.engines.base import EngineClosed
-    from serving.engines.torch_engine import TorchEngine
     from serving.versions import DirSource
 
-    eng = TorchEngine(gateway_settings(tmp_path, tiny_model_dir, batch_window_ms=0))
+    eng = create_engine(gateway_settings(tmp_path, tiny_model_dir, batch_window_ms=0))
     with pytest.raises(EngineClosed):
         eng.submit([[1, 2]], [SamplingParams()]).result(10)  # nothing loaded yet
     eng.load(DirSource(tiny_model_dir).current("production"))
@@ -66,17 +66,21 @@ def test_close_fails_waiting_requests_cleanly(tmp_path, tiny_model_dir):
     eng.close()
     with pytest.raises(EngineClosed):
         eng.submit([[1, 2]], [SamplingParams()])
+    assert eng._proc.exitcode == 0  # the child left cleanly (no abort in native teardown)
 
 
 def test_engine_process_and_in_thread_modes_generate_the_same(engine, tmp_path, tiny_model_dir):
     """The default runs the models in a child process; the in-thread mode must give the same samples."""
+    from serving.engines import create_engine
     from serving.engines.torch_engine import TorchEngine
+    from serving.engines.torch_process import ProcessTorchEngine
     from serving.versions import DirSource
 
     assert engine.settings.serving.engine_process and engine._proc.is_alive()
-    local = TorchEngine(gateway_settings(tmp_path, tiny_model_dir, batch_window_ms=0, engine_process=False))
+    assert isinstance(engine, ProcessTorchEngine)
+    local = create_engine(gateway_settings(tmp_path, tiny_model_dir, batch_window_ms=0, engine_process=False))
     try:
-        assert local._proc is None
+        assert type(local) is TorchEngine and not hasattr(local, "loop")
         local.load(DirSource(tiny_model_dir).current("production"))
         ids = engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
         params = [SamplingParams(max_new_tokens=6, seed=3), SamplingParams(max_new_tokens=4, temperature=0.7,
@@ -99,12 +103,13 @@ def test_engine_process_errors_and_swaps(tmp_path, tiny_model_dir):
     from concurrent.futures import Future
 
     from policy.sampling import ContextTooLong
-    from serving.engines.base import EngineClosed, _Control
-    from serving.engines.torch_engine import TorchEngine, TorchHandle
+    from serving.engines import create_engine
+    from serving.engines.base import EngineClosed, _Job
+    from serving.engines.torch_engine import TorchHandle
     from serving.versions import VersionRef
 
     dirs = make_versions(tiny_model_dir, tmp_path / "versions", 2)
-    eng = TorchEngine(gateway_settings(tmp_path, dirs[0], batch_window_ms=0))
+    eng = create_engine(gateway_settings(tmp_path, dirs[0], batch_window_ms=0))
     try:
         eng.load(VersionRef("v0", dirs[0]))
         ids = eng.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
@@ -116,13 +121,11 @@ def test_engine_process_errors_and_swaps(tmp_path, tiny_model_dir):
         after = eng.generate_now([ids], [SamplingParams(max_new_tokens=4, seed=1)], timeout=60)[0]
         assert before.version == "v0" and after.version == "v1"
         assert after.sample.logprobs != pytest.approx(before.sample.logprobs, abs=1e-6)  # other weights
-        # Slot 1 held v0: it was freed in the child after the swap. Asked from the worker thread (a control
-        # job), which owns the pipe: another reader would race it for the previous batch's last message.
+        # Slot 1 held v0: it was freed in the child after the swap. Sent from a control action, which runs
+        # on the engine's loop between batches, as every batch is sent.
         stale: Future = Future()
-        with eng._cond:
-            eng._queue.append(_Control(lambda: eng._generate(TorchHandle("v0", 1), [ids],
-                                                             [SamplingParams(max_new_tokens=2)]), stale))
-            eng._cond.notify()
+        eng._control(lambda: eng._send(TorchHandle("v0", 1), [_Job([ids], [SamplingParams(max_new_tokens=2)],
+                                                                    "production", stale)]))
         with pytest.raises(KeyError):
             stale.result(30)
         eng._proc.kill()
@@ -132,3 +135,41 @@ def test_engine_process_errors_and_swaps(tmp_path, tiny_model_dir):
             eng.generate_now([ids], [SamplingParams(max_new_tokens=2)], timeout=60)
     finally:
         eng.close()
+
+
+def test_process_engine_sends_a_lone_request_before_submit_async_returns(engine):
+    """On the engine's loop, a request that finds the child idle (after a lone batch) is pickled onto the
+    pipe inside submit_async: the child starts generating while the caller goes on."""
+    import asyncio
+    import time
+
+    ids = engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    engine.generate_now([ids], [SamplingParams(max_new_tokens=2, seed=1)], timeout=60)  # a lone batch
+    deadline = time.monotonic() + 10
+    while engine._inflight is not None:  # its end message
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+    async def go():
+        fut = engine.submit_async([ids], [SamplingParams(max_new_tokens=2, seed=2)])
+        sent = engine._inflight is not None and engine.queue_depth == 0
+        return sent, await fut
+
+    sent, gens = asyncio.run_coroutine_threadsafe(go(), engine.loop).result(60)
+    assert sent and gens[0].sample.token_ids
+
+
+def test_process_engine_skips_a_request_cancelled_before_its_batch(engine):
+    import time
+
+    ids = engine.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    with engine_held(engine):
+        fut = engine.submit([ids], [SamplingParams(max_new_tokens=2)])
+        assert fut.cancel()
+        before = engine.batches_run
+    deadline = time.monotonic() + 10
+    while engine.queue_depth:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    time.sleep(0.05)
+    assert engine.batches_run == before and engine._inflight is None

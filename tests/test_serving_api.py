@@ -250,3 +250,22 @@ def test_response_bodies_are_exactly_the_schemas_serialisation(live):
         assert r.status_code == 200
         assert ChatResponse.model_validate_json(r.content).model_dump_json().encode() == r.content
         assert (r.json()["choices"][0]["logprobs"] is not None) == logprobs
+
+
+def test_http_server_runs_on_the_engine_event_loop(live):
+    """With the process engine, uvicorn serves on the engine's own loop: handlers submit batches and get
+    their results on one thread (no thread hand-off per request, no second thread for the HTTP server)."""
+    import asyncio
+    import threading
+
+    server = live[0]
+    engine = server.gateway.engine
+    assert not any(t.name == "gateway-uvicorn" for t in threading.enumerate())
+
+    async def task_names() -> list[str]:
+        return [t.get_coro().__qualname__ for t in asyncio.all_tasks()]
+
+    names = asyncio.run_coroutine_threadsafe(task_names(), engine.loop).result(10)
+    assert any(n.startswith("start_server.") for n in names), names
+    assert post(server, "/v1/completions", live[2], {"model": "tiny-coder", "prompt": PROMPT,
+                                                     "max_tokens": 2}).status_code == 200

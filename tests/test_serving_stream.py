@@ -3,11 +3,15 @@ micro-batch, and SSE through the official `openai` client against a live uvicorn
 
 "Incremental" is checked by ordering, not by wall-clock: the engine is held in the middle of a
 generation until the client has received its first chunk. A gateway that only streamed after
-generation finished would never release it (the test would fail on the gate's timeout).
+generation finished would never release it (the test would fail on the gate's timeout). Engine-level
+tests run on both torch engines: the process engine (models in a child, batcher on an event loop) and
+the in-thread one.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from concurrent.futures import Future
@@ -16,7 +20,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serving_fixtures import PROMPT, gateway_settings, read_events
+from serving_fixtures import PROMPT, engine_held, gateway_settings, read_events
 
 from policy.sampling import SamplingParams, generate_ids
 
@@ -60,12 +64,13 @@ def test_generate_ids_hooks_see_every_step_and_each_row_as_it_finishes(tiny_mode
 
 
 # -- the engine: listeners and early answers inside one micro-batch ---------------------------------------
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory, tiny_model_dir):
-    from serving.engines.torch_engine import TorchEngine
+@pytest.fixture(scope="module", params=[True, False], ids=["engine_process", "in_thread"])
+def engine(request, tmp_path_factory, tiny_model_dir):
+    from serving.engines import create_engine
     from serving.versions import DirSource
 
-    eng = TorchEngine(gateway_settings(tmp_path_factory.mktemp("eng"), tiny_model_dir, batch_window_ms=50))
+    eng = create_engine(gateway_settings(tmp_path_factory.mktemp("eng"), tiny_model_dir, batch_window_ms=50,
+                                         engine_process=request.param))
     eng.load(DirSource(tiny_model_dir).current("production"))
     yield eng
     eng.close()
@@ -82,8 +87,8 @@ def test_streaming_job_inside_a_micro_batch_gets_its_own_tokens_as_they_come(eng
     def listener(version, step):
         calls.append((version, step, short.done()))
 
-    before = engine.batches_run
-    with engine._cond:  # both jobs are queued before the worker can take either: one batch
+    with engine_held(engine):  # both jobs are queued before the batcher can take either: one batch
+        before = engine.batches_run
         short = engine.submit([ids], short_p)
         streamed = engine.submit([ids, ids], long_p, listener=listener)
     gens = streamed.result(60)
@@ -126,37 +131,47 @@ def _client(server, key):
 
 
 class _Gate:
-    """Wraps the engine's generate so that a streaming batch stops after ``after`` decoding steps until
-    released (or 30 s pass). ``released_in_time`` says whether someone released it."""
+    """Stops the engine's child process (SIGSTOP) once a streaming request has been handed ``after``
+    decoding steps, until released (or 30 s pass), so the rest of its generation waits.
+    ``released_in_time`` says whether someone released it while the child was stopped."""
 
     def __init__(self, engine, after: int) -> None:
         self.engine, self.after = engine, after
         self.event = threading.Event()
         self.released_in_time: bool | None = None
-        self.steps_before_release = 0
-        self._orig = engine._generate
+        self._orig = engine.submit_async
+        self._holder: threading.Thread | None = None
+
+    def _hold(self) -> None:
+        try:
+            self.released_in_time = self.event.wait(30)
+        finally:
+            os.kill(self.engine._proc.pid, signal.SIGCONT)
 
     def __enter__(self):
-        def gated(handle, rows, params, *, on_step=None, on_finish=None):
-            if on_step is None:  # not a streaming batch
-                return self._orig(handle, rows, params, on_step=on_step, on_finish=on_finish)
+        def gated(rows, params, channel="production", listener=None):
+            if listener is None:  # not a streaming request
+                return self._orig(rows, params, channel, listener)
             steps = [0]
 
-            def hook(batch_rows, tokens):
-                on_step(batch_rows, tokens)  # the tokens are handed over first ...
+            def hook(version, step):
+                listener(version, step)  # the tokens are handed over first ...
                 steps[0] += 1
                 if steps[0] == self.after:  # ... then generation stops until the client has seen them
-                    self.steps_before_release = steps[0]
-                    self.released_in_time = self.event.wait(30)
+                    os.kill(self.engine._proc.pid, signal.SIGSTOP)
+                    self._holder = threading.Thread(target=self._hold)
+                    self._holder.start()
 
-            return self._orig(handle, rows, params, on_step=hook, on_finish=on_finish)
+            return self._orig(rows, params, channel, hook)
 
-        self.engine._generate = gated
+        self.engine.submit_async = gated
         return self
 
     def __exit__(self, *exc):
-        self.engine._generate = self._orig
+        self.engine.submit_async = self._orig
         self.event.set()
+        if self._holder is not None:
+            self._holder.join(30)
 
 
 def _long_seed(client, prompt=PROMPT, tokens=12):
@@ -256,20 +271,14 @@ def test_chat_stream_with_n_and_logprobs(live):
 
 
 def test_stream_inside_a_micro_batch_over_http(live):
-    """A streamed and a plain request queued together (behind a held engine worker) share one batch;
-    the stream still carries its own text, equal to the same request unstreamed."""
-    from serving.engines.base import _Control
-
+    """A streamed and a plain request queued together (behind a held engine) share one batch; the
+    stream still carries its own text, equal to the same request unstreamed."""
     server, _, key = live
     engine = server.gateway.engine
     c = _client(server, key)
     body = dict(model="tiny-coder", prompt=PROMPT, max_tokens=10)
     ref_a = c.completions.create(**body, seed=21).choices[0].text
     ref_b = c.completions.create(**body, seed=22).choices[0].text
-    hold = threading.Event()
-    with engine._cond:  # the worker runs a control job that waits: requests queue up behind it
-        engine._queue.append(_Control(lambda: hold.wait(30), Future()))
-        engine._cond.notify()
     out: dict[str, object] = {}
 
     def plain():
@@ -279,14 +288,14 @@ def test_stream_inside_a_micro_batch_over_http(live):
         out["chunks"] = [ch.choices[0].text for ch in c.completions.create(**body, seed=22, stream=True)]
 
     threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 20
-    while engine.queue_depth < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    before = engine.batches_run
-    hold.set()
+    with engine_held(engine):  # requests queue up behind a batch that cannot finish yet
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while engine.queue_depth < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        before = engine.batches_run
     for t in threads:
         t.join(60)
     assert engine.batches_run - before == 1

@@ -9,6 +9,10 @@ def create_engine(settings, metrics=None):
         from serving.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(settings, metrics)
+    if settings.serving.engine_process:
+        from serving.engines.torch_process import ProcessTorchEngine
+
+        return ProcessTorchEngine(settings, metrics)
     from serving.engines.torch_engine import TorchEngine
 
     return TorchEngine(settings, metrics)

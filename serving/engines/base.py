@@ -1,6 +1,8 @@
-"""The engine interface and the micro-batcher both engines share.
+"""The engine interface and the micro-batcher the engines share.
 
-One worker thread owns the model(s). Requests queue as *jobs* (a request's rows: prompts x n, each
+Here one worker thread owns the model(s) (the vLLM engine, the in-thread torch engine); the torch
+engine with its models in a child process runs the same rules from an event loop instead
+(:mod:`serving.engines.torch_process`), reusing :class:`Batch` for the per-request bookkeeping. Requests queue as *jobs* (a request's rows: prompts x n, each
 with its own sampling parameters); the worker takes the first waiting job, waits up to
 ``batch_window_ms`` for more, and runs up to ``max_batch`` rows in one generate call. Control jobs
 (weight swaps) go through the same queue, so a swap happens *between* batches: the batch in flight
@@ -11,6 +13,7 @@ job is the swap pause: while it runs, nothing is generated; requests wait in the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -102,6 +105,10 @@ class Engine(ABC):
         self.context_len: int | None = None
         self.swap_pauses_s: list[float] = []  # swaps only (a channel's first load is start-up)
         self.batches_run = 0
+        self._start_worker()
+
+    def _start_worker(self) -> None:
+        """Start what runs the batches: here the batcher thread (an engine may drive them otherwise)."""
         self._worker = threading.Thread(target=self._run, name=f"{self.name}-batcher", daemon=True)
         self._worker.start()
 
@@ -155,11 +162,17 @@ class Engine(ABC):
             self._cond.notify()
         return fut
 
+    def submit_async(self, rows: list[list[int]], params: list[SamplingParams], channel: str = PRODUCTION,
+                     listener: TokenListener | None = None) -> asyncio.Future:
+        """:meth:`submit` for a caller on an asyncio event loop: an asyncio future of the same result.
+        Overload and shutdown raise here, as in :meth:`submit`; cancelling the future withdraws a request
+        that has not started."""
+        return asyncio.wrap_future(self.submit(rows, params, channel, listener))
+
     def load(self, ref: VersionRef, channel: str = PRODUCTION) -> float:
         """Install ``ref`` on ``channel``; block until live; return the serving pause in seconds."""
         first = channel not in self._handles
         prepared = self._prepare(ref, channel)
-        fut: Future = Future()
 
         def action() -> float:
             t0 = time.perf_counter()
@@ -170,29 +183,29 @@ class Engine(ABC):
                 self._release(old)
             return pause
 
-        with self._cond:
-            if self._closed:
-                raise EngineClosed("engine is shutting down")
-            self._queue.append(_Control(action, fut))
-            self._cond.notify()
-        pause = fut.result()
+        pause = self._control(action)
         if not first:
             self.swap_pauses_s.append(pause)
             del self.swap_pauses_s[:-1000]  # bounded: a long-lived gateway swaps every few hours
         return pause
 
     def drop(self, channel: str) -> None:
-        fut: Future = Future()
-
         def action() -> None:
             old = self._handles.pop(channel, None)
             if old is not None:
                 self._release(old)
 
+        self._control(action)
+
+    def _control(self, action: Callable[[], Any]) -> Any:
+        """Run ``action`` where batches run, between two of them; block until it has; return its result."""
+        fut: Future = Future()
         with self._cond:
+            if self._closed:
+                raise EngineClosed("engine is shutting down")
             self._queue.append(_Control(action, fut))
             self._cond.notify()
-        fut.result()
+        return fut.result()
 
     def generate_now(self, rows: list[list[int]], params: list[SamplingParams], channel: str = PRODUCTION,
                      timeout: float | None = None) -> list[Generation]:
@@ -273,50 +286,70 @@ class Engine(ABC):
             self._run_group(handle, jobs)
 
     def _run_group(self, handle: Any, jobs: list[_Job]) -> None:
-        rows = [r for j in jobs for r in j.rows]
-        params = [p for j in jobs for p in j.params]
-        version = self._handle_version(handle)
-        owner: list[tuple[int, int]] = [(ji, k) for ji, j in enumerate(jobs) for k in range(len(j.rows))]
-        results: list[list[Sample | None]] = [[None] * len(j.rows) for j in jobs]
-        left = [len(j.rows) for j in jobs]
-        t0 = time.perf_counter()
+        batch = Batch(jobs, self._handle_version(handle))
+        self._started(batch)
+        try:
+            self._generate(handle, batch.rows, batch.params, on_step=batch.on_step if batch.streaming else None,
+                           on_finish=batch.on_finish)
+        except BaseException as err:  # noqa: BLE001 - each request gets the error, the worker lives on
+            log.exception("generate failed for a batch of %d rows", len(batch.rows))
+            batch.fail(err)
+            return
+        batch.check_complete()
 
-        def on_finish(row: int, sample: Sample) -> None:
-            ji, k = owner[row]
-            results[ji][k] = sample
-            left[ji] -= 1
-            if left[ji] == 0:  # this request is complete: answer it now, the batch may go on
-                j = jobs[ji]
-                engine_ms = (time.perf_counter() - t0) * 1000
-                _settle(j.future, [Generation(s, version, (t0 - j.enqueued) * 1000, engine_ms)
-                                   for s in results[ji]])
-
-        on_step = None
-        if any(j.listener is not None for j in jobs):
-            def on_step(batch_rows: list[int], tokens: list[int]) -> None:
-                per_job: dict[int, list[tuple[int, int]]] = {}
-                for row, tok in zip(batch_rows, tokens, strict=True):
-                    ji, k = owner[row]
-                    if jobs[ji].listener is not None:
-                        per_job.setdefault(ji, []).append((k, tok))
-                for ji, step in per_job.items():
-                    try:
-                        jobs[ji].listener(version, step)
-                    except Exception:  # noqa: BLE001 - a broken listener must not fail the batch
-                        log.exception("token listener failed; detaching it")
-                        jobs[ji].listener = None
-
+    def _started(self, batch: Batch) -> None:
         self.batches_run += 1  # counted at the start: its first requests may be answered before it ends
         if self.metrics is not None:
-            self.metrics.batch_rows.observe(len(rows))
-        try:
-            self._generate(handle, rows, params, on_step=on_step, on_finish=on_finish)
-        except BaseException as err:  # noqa: BLE001 - each request gets the error, the worker lives on
-            log.exception("generate failed for a batch of %d rows", len(rows))
-            for j in jobs:
-                _settle(j.future, error=err)
-            return
-        for ji, j in enumerate(jobs):
-            if left[ji]:  # an engine that did not report every row: a bug, never a silent hang
-                _settle(j.future, error=RuntimeError(f"engine returned {len(j.rows) - left[ji]} of "
+            self.metrics.batch_rows.observe(len(batch.rows))
+
+
+class Batch:
+    """One generate call's requests: which request each row belongs to, and their answers as rows finish.
+
+    A request is answered (its future resolved) as soon as its own rows are done, so a short request in
+    a batch with long ones does not wait for them. Its ``engine_ms`` is the time from the batch's start
+    to its last row."""
+
+    def __init__(self, jobs: list[_Job], version: str) -> None:
+        self.jobs, self.version = jobs, version
+        self.rows = [r for j in jobs for r in j.rows]
+        self.params = [p for j in jobs for p in j.params]
+        self.owner: list[tuple[int, int]] = [(ji, k) for ji, j in enumerate(jobs) for k in range(len(j.rows))]
+        self.results: list[list[Sample | None]] = [[None] * len(j.rows) for j in jobs]
+        self.left = [len(j.rows) for j in jobs]
+        self.streaming = any(j.listener is not None for j in jobs)
+        self.t0 = time.perf_counter()
+
+    def on_finish(self, row: int, sample: Sample) -> None:
+        ji, k = self.owner[row]
+        self.results[ji][k] = sample
+        self.left[ji] -= 1
+        if self.left[ji] == 0:  # this request is complete: answer it now, the batch may go on
+            j, t0 = self.jobs[ji], self.t0
+            engine_ms = (time.perf_counter() - t0) * 1000
+            _settle(j.future, [Generation(s, self.version, (t0 - j.enqueued) * 1000, engine_ms)
+                               for s in self.results[ji]])
+
+    def on_step(self, batch_rows: list[int], tokens: list[int]) -> None:
+        per_job: dict[int, list[tuple[int, int]]] = {}
+        for row, tok in zip(batch_rows, tokens, strict=True):
+            ji, k = self.owner[row]
+            if self.jobs[ji].listener is not None:
+                per_job.setdefault(ji, []).append((k, tok))
+        for ji, step in per_job.items():
+            try:
+                self.jobs[ji].listener(self.version, step)
+            except Exception:  # noqa: BLE001 - a broken listener must not fail the batch
+                log.exception("token listener failed; detaching it")
+                self.jobs[ji].listener = None
+
+    def fail(self, err: BaseException) -> None:
+        """Every request not answered yet gets ``err``."""
+        for j in self.jobs:
+            _settle(j.future, error=err)
+
+    def check_complete(self) -> None:
+        for ji, j in enumerate(self.jobs):
+            if self.left[ji]:  # an engine that did not report every row: a bug, never a silent hang
+                _settle(j.future, error=RuntimeError(f"engine returned {len(j.rows) - self.left[ji]} of "
                                                      f"{len(j.rows)} rows"))
