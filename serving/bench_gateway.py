@@ -8,8 +8,10 @@ Content-Length body); ``httpx`` is measured beside it, because a general-purpose
 ~0.5 ms per request of its own on this machine, which is the client's time, not the gateway's.
 
 1. **Overhead, paired.** Sequentially (concurrency 1 on both sides), request *i* is run directly on
-   the engine (``engine.generate_now``: the same micro-batcher, no HTTP; with
-   ``serving.engine_process`` the same pipe to the same engine process), through the gateway with
+   the engine (the same micro-batcher, no HTTP; with ``serving.engine_process`` the same pipe to the
+   same engine process: ``engine.submit_async`` awaited and timed on the engine's event loop, where the
+   gateway's handlers call it, so no thread hand-off is in the direct latency; in-thread engines
+   ``engine.generate_now`` from the benchmark's thread), through the gateway with
    the raw client and through the gateway with httpx, with the same prompt, seed and max_tokens (so
    the same tokens are generated), in an order that rotates with *i*, each call starting from the
    same state: the previous gateway request's events sent (a few ms after its response; they would
@@ -26,6 +28,10 @@ Content-Length body); ``httpx`` is measured beside it, because a general-purpose
    reported too.
    ``server_overhead_*`` is the gateway's own time outside the engine as measured inside the
    handler (auth, parsing, tokenising, token signing, serialising), from ``x-rtrl-overhead-ms``.
+   **The HTTP floor** (``http_floor_*``): the same client against a do-nothing ASGI app on the same
+   uvicorn options and event loop, which awaits the direct p50 latency before answering, minus an await
+   of that length timed on the loop. No gateway can cost less than that on this host: on a VM whose
+   idle vCPU returns with cold caches, even this path costs several times what it does back to back.
 2. **Throughput.** ``concurrency`` raw clients for a fixed time: requests/s and latency through the
    gateway, next to the same load run directly on the engine (``concurrency`` threads).
 3. **Swaps under load.** ``concurrency`` clients run while the served directory (a symlink) is
@@ -36,6 +42,7 @@ Content-Length body); ``httpx`` is measured beside it, because a general-purpose
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -137,17 +144,44 @@ class RawHTTP:
         return status, headers, payload
 
 
+def _floor_app(delay_s: float):
+    """A do-nothing ASGI app: reads the body, awaits ``delay_s`` (standing in for generation), answers a
+    small JSON body. Served by the same uvicorn options as the gateway, it shows what the HTTP server and
+    the client cost on this host, below anything the gateway does."""
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass  # the loop's condition reads the body
+        await asyncio.sleep(delay_s)
+        body = b'{"ok":true}'
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
 def _client_main(url: str, key: str, conn) -> None:
     """The load-generating process: answers commands from the benchmark over a pipe."""
     import httpx
 
     raw = RawHTTP(url, key)
+    floor: RawHTTP | None = None
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
         while True:
             cmd = conn.recv()
             if cmd[0] == "exit":
                 raw.close()
+                if floor is not None:
+                    floor.close()
                 return
+            if cmd[0] == "floor":  # ("floor", url, body): the do-nothing server of the floor phase
+                floor = floor or RawHTTP(cmd[1], key)
+                t0 = time.perf_counter()
+                status, _, _ = floor.post("/", cmd[2])
+                conn.send((status, (time.perf_counter() - t0) * 1000))
+                continue
             if cmd[0] in ("raw", "httpx"):
                 t0 = time.perf_counter()
                 if cmd[0] == "raw":
@@ -196,6 +230,60 @@ def _client_main(url: str, key: str, conn) -> None:
             conn.send((lat, errors, time.perf_counter() - t0))
 
 
+def _floor(engine, host: str, conn, delay_s: float, n: int, body: dict) -> list[float]:
+    """Per request, what HTTP alone adds (ms): the do-nothing app (:func:`_floor_app`, awaiting
+    ``delay_s``) served by uvicorn on the gateway's event loop (the engine's, when it has one), called by
+    the benchmark's raw client, minus an await of the same ``delay_s`` timed on that loop; pairs in
+    alternating order, as in the overhead phase."""
+    import uvicorn
+
+    from serving.engines.torch_process import new_event_loop
+    from serving.server import _free_port, start_server, uvicorn_options
+
+    loop = getattr(engine, "loop", None)
+    own = None
+    if loop is None:
+        own = loop = new_event_loop()
+        threading.Thread(target=loop.run_forever, name="bench-floor-loop", daemon=True).start()
+    port = _free_port(host)
+    server = uvicorn.Server(uvicorn.Config(_floor_app(delay_s), host=host, port=port, log_level="warning",
+                                           access_log=False, lifespan="off", **uvicorn_options()))
+    done = start_server(server, loop)
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if done.done() or time.monotonic() > deadline:
+                raise RuntimeError(f"the floor server did not start: {done.exception() if done.done() else 'timeout'}")
+            time.sleep(0.01)
+
+        async def awaited() -> float:
+            t0 = time.perf_counter()
+            await asyncio.sleep(delay_s)
+            return (time.perf_counter() - t0) * 1000
+
+        def http() -> float:
+            conn.send(("floor", f"http://{host}:{port}", body))
+            status, ms = conn.recv()
+            if status != 200:
+                raise RuntimeError(f"the floor server answered {status}")
+            return ms
+
+        out = []
+        for i in range(n + 5):
+            got = {}
+            for kind in (("await", "http") if i % 2 else ("http", "await")):
+                got[kind] = (http() if kind == "http"
+                             else asyncio.run_coroutine_threadsafe(awaited(), loop).result(30))
+            if i >= 5:  # the first pairs warm both paths up
+                out.append(got["http"] - got["await"])
+        return out
+    finally:
+        server.should_exit = True
+        done.result(30)
+        if own is not None:
+            own.call_soon_threadsafe(own.stop)
+
+
 def run(settings, quick: bool, log) -> dict:
     from tqdm import tqdm
 
@@ -241,6 +329,23 @@ def run(settings, quick: bool, log) -> dict:
             gens = engine.generate_now([ids], [SamplingParams(max_new_tokens=max_tokens, seed=seed)], timeout=60)
             return gens[0].engine_ms
 
+        loop = getattr(engine, "loop", None)
+
+        async def on_loop(seed: int) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            gens = await engine.submit_async([ids], [SamplingParams(max_new_tokens=max_tokens, seed=seed)])
+            return (time.perf_counter() - t0) * 1000, gens[0].engine_ms
+
+        def direct_timed(seed: int) -> tuple[float, float]:
+            """(latency ms, engine generate ms) of one direct call. An engine driven from an event loop (the
+            gateway's own) is called and timed on that loop, as a request handler calls it, so the
+            latency has no thread hand-off in it; other engines from this thread."""
+            if loop is not None:
+                return asyncio.run_coroutine_threadsafe(on_loop(seed), loop).result(60)
+            t0 = time.perf_counter()
+            gen = direct(seed)
+            return (time.perf_counter() - t0) * 1000, gen
+
         try:
             import multiprocessing
 
@@ -253,9 +358,7 @@ def run(settings, quick: bool, log) -> dict:
                 def one(kind: str, seed: int) -> tuple[float, float, float]:
                     """(latency ms, engine generate ms, in-handler overhead ms)."""
                     if kind == "direct":
-                        t0 = time.perf_counter()
-                        gen = direct(seed)
-                        return (time.perf_counter() - t0) * 1000, gen, float("nan")
+                        return (*direct_timed(seed), float("nan"))
                     parent_conn.send((kind, body(seed)))
                     status, ms, gen, server_ms = parent_conn.recv()
                     if status != 200:
@@ -303,6 +406,10 @@ def run(settings, quick: bool, log) -> dict:
                     over[k] = [o + shift for o in over[k]]
                 gen_diff = gen_diffs["raw"]
                 overhead = over["raw"]
+                floor = _floor(engine, s.serving.host, parent_conn, _pct(paired["direct"], .5) / 1000, n_paired,
+                               body(0))
+                log(f"HTTP floor (a do-nothing app on the same server and client) p50 {_pct(floor, .5):.3f} ms, "
+                    f"p99 {_pct(floor, .99):.3f} ms")
                 log(f"overhead p50 {_pct(overhead, .5):.3f} ms, p99 {_pct(overhead, .99):.3f} ms (httpx client: p50 "
                     f"{_pct(over['httpx'], .5):.3f}, p99 {_pct(over['httpx'], .99):.3f}; uncorrected p50 "
                     f"{_pct(uncorrected['raw'], .5):.3f}, p99 {_pct(uncorrected['raw'], .99):.3f}; in-handler p50 "
@@ -385,6 +492,11 @@ def run(settings, quick: bool, log) -> dict:
             "overhead_httpx_p99_ms": round(_pct(over["httpx"], .99), 3),
             "overhead_httpx_uncorrected_p50_ms": round(_pct(uncorrected["httpx"], .5), 3),
             "overhead_httpx_uncorrected_p99_ms": round(_pct(uncorrected["httpx"], .99), 3),
+            "http_floor_p50_ms": round(_pct(floor, .5), 3),
+            "http_floor_p99_ms": round(_pct(floor, .99), 3),
+            "http_floor_method": "the same raw client against a do-nothing ASGI app on the same uvicorn options "
+                                 "and event loop that awaits the direct p50 latency, minus that await timed on "
+                                 "the loop: what HTTP and the client cost on this host, below the gateway",
             "generate_diff_p50_ms": round(_pct(gen_diff, .5), 3),
             "generate_diff_mean_ms": round(statistics.fmean(gen_diff), 3),
             "server_overhead_p50_ms": round(_pct(server_side, .5), 3),
