@@ -80,8 +80,8 @@ class RewardFunction:
 class PendingRewards:
     """Submissions scored while the rest of the batch is still being generated.
 
-    :meth:`add` starts the hidden-test run at once in the sandbox pool's threads (the work happens in
-    the fork servers' children, i.e. on another core), so a rollout loop that adds each completion as
+    :meth:`add` sends the hidden-test run at once to one of the pool's fork servers (the work happens
+    in their children, i.e. on another core), so a rollout loop that adds each completion as
     it finishes overlaps scoring with decoding. Identical (task, expression) pairs run once.
     :meth:`rewards` waits for the runs and combines them with the judge scores."""
 

@@ -10,14 +10,18 @@ process. Values cross the boundary as JSON and are compared as canonical JSON, s
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import marshal
 import os
+import select
 import struct
 import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +42,8 @@ Status = Literal["passed", "failed", "error", "timeout"]
 JSON_REPLY, RUN_REPLY = ord("J"), ord("R")
 RUN_HEAD = struct.Struct(">??iiddd")
 TRUNCATED_LINES = 1000  # report lines decoded from a run that exceeded the zygote's output limit
+PIPE_BYTES = 1 << 20  # asked-for size of each pipe to a zygote (fs.pipe-max-size allows 1 MiB by default)
+READ_BYTES = 1 << 16
 
 
 class SandboxError(RuntimeError):
@@ -99,13 +105,42 @@ def canonical(value: Any) -> str:
     return "".join(_CANONICAL(value, 0))
 
 
+class _Run(Future):
+    """A program sent to a zygote. It settles when its result is asked for (or a later run's of the
+    same zygote is): the parent reads replies only then, so no thread waits on the zygotes."""
+
+    def __init__(self, sandbox: Sandbox, frame: bytes, tests: Sequence[TestCase] | None):
+        super().__init__()
+        self.sandbox, self.frame, self.tests = sandbox, frame, tests
+        self.retried = False
+
+    def result(self, timeout: float | None = None):
+        if not self.done():
+            self.sandbox._settle(self)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        if not self.done():
+            self.sandbox._settle(self)
+        return super().exception(timeout)
+
+
 class Sandbox:
-    """One fork server. Thread-safe (calls are serialised); use :class:`SandboxPool` for parallelism."""
+    """One fork server. Thread-safe; :class:`SandboxPool` runs several side by side.
+
+    Requests are pipelined: :meth:`submit` writes the program to the zygote and returns at once, and
+    the zygote works through its requests in order while the caller goes on (decoding the rest of a
+    batch, say). Replies wait in the zygote's pipe until a result is asked for. Compared with a
+    thread per zygote blocked on its reply, this spares the parent the thread hand-offs and the
+    zygote an idle gap between programs."""
 
     def __init__(self, settings: SandboxSettings | None = None):
         self.settings = settings or SandboxSettings()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._proc: subprocess.Popen | None = None
+        self._pending: deque[_Run] = deque()
+        self._inbuf = bytearray()
+        self._awaiting_greeting = False
         self.isolation = ""
         self.isolation_reason = ""
         self._start()
@@ -118,57 +153,148 @@ class Sandbox:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
             env={**os.environ, "LD_BIND_NOW": "1"},
         )
-        hello = self._recv()
+        self._to, self._from = self._proc.stdin.fileno(), self._proc.stdout.fileno()
+        for fd in (self._to, self._from):  # room for many small requests and replies in flight
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        # Writes never block (see _write); reads do, for replies the caller is waiting for.
+        os.set_blocking(self._to, False)
+        self._inbuf.clear()
+        try:
+            hello = self._next_reply()
+        except _ZygoteDied:
+            hello = None
         if hello is None or not hello.get("ready"):
             err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+            self._kill()
             raise SandboxError(f"sandbox did not start: {err.strip() or hello}")
         self.isolation = hello["isolation"]
         self.isolation_reason = hello["reason"]
 
-    def _send(self, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self._proc.stdin.write(struct.pack(">I", len(data)) + data)
-        self._proc.stdin.flush()
-
-    def _recv(self) -> dict | None:
-        head = self._proc.stdout.read(4)
-        if len(head) < 4:
-            return None
-        (n,) = struct.unpack(">I", head)
-        payload = self._proc.stdout.read(n)
-        if len(payload) < n:
-            return None
-        return decode_reply(payload)
-
-    def execute(self, code: str, entry_point: str, inputs: Sequence[Sequence[Any]]) -> dict:
-        """Raw run: the zygote's reply (per-input values/errors as reported by the child)."""
+    def _request(self, code: str, entry_point: str, inputs: Sequence[Sequence[Any]]) -> bytes:
         s = self.settings
         req = {"code": code, "entry": entry_point, "inputs": [list(a) for a in inputs], "cpu_s": s.cpu_s,
                "wall_s": s.wall_s, "per_test_s": s.per_test_s, "mem_mb": s.mem_mb, "nproc": s.nproc,
                "fsize_kb": s.fsize_kb}
+        # marshal, not JSON: the zygote runs this interpreter, and one C call decodes it there.
+        data = marshal.dumps(req)
+        return struct.pack(">I", len(data)) + data
+
+    def submit(self, code: str, entry_point: str, tests: Sequence[TestCase]) -> Future[RunResult]:
+        """Send ``code`` to be run and scored on ``tests``; the future's result is its RunResult."""
+        return self._submit(self._request(code, entry_point, [t.args for t in tests]), tests)
+
+    def _submit(self, frame: bytes, tests: Sequence[TestCase] | None) -> _Run:
+        run = _Run(self, frame, tests)
         with self._lock:
-            for attempt in range(2):
-                try:
-                    self._send(req)
-                    reply = self._recv()
-                except (BrokenPipeError, OSError):
-                    reply = None
-                if reply is not None:
-                    break
-                # The fork server died (killed from outside): start a fresh one and retry once.
-                self._kill()
-                if attempt == 0:
-                    self._start()
-            else:
-                raise SandboxError("sandbox fork server died twice in a row")
-        if "harness_error" in reply:
-            raise SandboxError(f"sandbox harness fault: {reply['harness_error']}")
-        return reply
+            if self._proc is None:
+                raise SandboxError("sandbox is closed")
+            self._pending.append(run)
+            try:
+                self._write(frame)
+            except _ZygoteDied:
+                self._recover()
+        return run
+
+    def execute(self, code: str, entry_point: str, inputs: Sequence[Sequence[Any]]) -> dict:
+        """Raw run: the zygote's reply (per-input values/errors as reported by the child)."""
+        return self._submit(self._request(code, entry_point, inputs), None).result()
 
     def run(self, code: str, entry_point: str, tests: Sequence[TestCase]) -> RunResult:
         """Run ``code`` and score its ``entry_point`` on ``tests``; hidden outputs stay in this process."""
-        reply = self.execute(code, entry_point, [t.args for t in tests])
-        return score_reply(reply, tests)
+        return self.submit(code, entry_point, tests).result()
+
+    @property
+    def in_flight(self) -> int:
+        """Programs sent and not yet settled."""
+        return len(self._pending)
+
+    def _write(self, frame: bytes) -> None:
+        view = memoryview(frame)
+        while view:
+            try:
+                view = view[os.write(self._to, view):]
+            except BlockingIOError:
+                # The request pipe is full: the zygote may itself be blocked on a full reply pipe.
+                # Take in its replies while waiting for room, or both sides would wait forever.
+                readable, _, _ = select.select([self._from], [self._to], [])
+                if readable:
+                    self._read_some()
+            except (BrokenPipeError, ConnectionResetError) as err:
+                raise _ZygoteDied from err
+
+    def _read_some(self) -> None:
+        """Read what the zygote has sent (blocking until something comes) and settle every run whose
+        reply is complete."""
+        data = os.read(self._from, READ_BYTES)
+        if not data:
+            raise _ZygoteDied
+        buf = self._inbuf
+        buf += data
+        while len(buf) >= 4:
+            (n,) = struct.unpack_from(">I", buf)
+            if len(buf) < 4 + n:
+                break
+            payload = bytes(buf[4:4 + n])
+            del buf[:4 + n]
+            self._deliver(payload)
+
+    def _next_reply(self) -> dict:
+        """The greeting, a fresh zygote's first reply (runs already waiting are sent after it)."""
+        self._greeting: dict | None = None
+        self._awaiting_greeting = True
+        try:
+            while self._greeting is None:
+                self._read_some()
+        finally:
+            self._awaiting_greeting = False
+        return self._greeting
+
+    def _deliver(self, payload: bytes) -> None:
+        if self._awaiting_greeting:
+            self._greeting = decode_reply(payload)
+            return
+        run = self._pending.popleft()
+        if run.done():  # cancelled by its caller
+            return
+        try:
+            reply = decode_reply(payload)
+            if "harness_error" in reply:
+                raise SandboxError(f"sandbox harness fault: {reply['harness_error']}")
+            run.set_result(reply if run.tests is None else score_reply(reply, run.tests))
+        except Exception as err:  # noqa: BLE001 - delivered to the run's caller
+            run.set_exception(err)
+
+    def _settle(self, run: _Run) -> None:
+        with self._lock:
+            while not run.done():
+                if self._proc is None:
+                    run.set_exception(SandboxError("sandbox is closed"))
+                    return
+                try:
+                    self._read_some()
+                except _ZygoteDied:
+                    self._recover()
+
+    def _recover(self) -> None:
+        """The fork server died (killed from outside): start a fresh one and send it every run still
+        waiting. The run it was working on is tried once more; dying on it twice fails that run."""
+        self._kill()
+        if self._pending and self._pending[0].retried:
+            self._pending.popleft().set_exception(SandboxError("sandbox fork server died twice in a row"))
+        try:
+            self._start()
+        except SandboxError as err:
+            while self._pending:
+                self._pending.popleft().set_exception(err)
+            raise
+        if self._pending:
+            self._pending[0].retried = True
+        for run in list(self._pending):
+            try:
+                self._write(run.frame)
+            except _ZygoteDied:
+                return  # found out by the next read, which recovers again
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -176,18 +302,25 @@ class Sandbox:
             self._proc.wait()
 
     def close(self) -> None:
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            try:
-                self._proc.stdin.close()
-                self._proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                self._kill()
-        for stream in (self._proc.stdout, self._proc.stderr):
-            if stream:
-                stream.close()
-        self._proc = None
+        with self._lock:
+            if self._proc is None:
+                return
+            if self._proc.poll() is None:
+                try:
+                    if self._pending:  # nobody will read these replies: do not wait for the runs
+                        self._kill()
+                    else:
+                        self._proc.stdin.close()
+                        self._proc.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired):
+                    self._kill()
+            for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
+                if stream:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+            self._proc = None
+            while self._pending:
+                self._pending.popleft().set_exception(SandboxError("sandbox closed before the run finished"))
 
     def __enter__(self) -> Sandbox:
         return self
@@ -198,6 +331,10 @@ class Sandbox:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+class _ZygoteDied(Exception):
+    """End of file or a broken pipe on the zygote's pipes."""
 
 
 def decode_reply(payload: bytes) -> dict:
@@ -279,13 +416,12 @@ def score_reply(reply: dict, tests: Sequence[TestCase]) -> RunResult:
 
 
 class SandboxPool:
-    """A few fork servers used in parallel (thread pool: the work happens in the child processes)."""
+    """A few fork servers used side by side (the work happens in their child processes)."""
 
     def __init__(self, settings: SandboxSettings | None = None, size: int | None = None):
         self.settings = settings or SandboxSettings()
         self.size = size or self.settings.pool_size
         self.sandboxes = [Sandbox(self.settings) for _ in range(self.size)]
-        self._executor = ThreadPoolExecutor(self.size) if self.size > 1 else None
         self._next, self._next_lock = 0, threading.Lock()
         self.isolation = self.sandboxes[0].isolation
         self.isolation_reason = self.sandboxes[0].isolation_reason
@@ -294,25 +430,17 @@ class SandboxPool:
         return [f.result() for f in [self.submit(*job) for job in jobs]]
 
     def submit(self, code: str, entry_point: str, tests: Sequence[TestCase]) -> Future[RunResult]:
-        """Start a run in the pool's threads and return at once (a pool of one runs it here)."""
-        if self._executor is None:
-            done: Future[RunResult] = Future()
-            try:
-                done.set_result(self.sandboxes[0].run(code, entry_point, tests))
-            except BaseException as err:  # noqa: BLE001 - delivered through the future, as a thread would
-                done.set_exception(err)
-            return done
+        """Send a run to the zygote with the fewest runs in flight and return at once."""
         with self._next_lock:
-            sandbox = self.sandboxes[self._next % self.size]
+            start = self._next
             self._next += 1
-        return self._executor.submit(sandbox.run, code, entry_point, tests)
+        sandbox = min((self.sandboxes[(start + k) % self.size] for k in range(self.size)), key=lambda sb: sb.in_flight)
+        return sandbox.submit(code, entry_point, tests)
 
     def run(self, code: str, entry_point: str, tests: Sequence[TestCase]) -> RunResult:
         return self.sandboxes[0].run(code, entry_point, tests)
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown()
         for sb in self.sandboxes:
             sb.close()
 

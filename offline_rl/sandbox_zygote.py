@@ -31,7 +31,8 @@ leave the parent, which compares the values this child reports. So a program tha
 comparison, exits early with status 0 or prints "all tests passed" gains nothing: a test passes only
 if the parent sees the right value for it.
 
-Wire format: frames of a 4-byte big-endian length and a payload. Requests are UTF-8 JSON; a reply
+Wire format: frames of a 4-byte big-endian length and a payload. Requests are ``marshal`` data
+(from the parent, which runs this same interpreter; never from a program); a reply
 starts with a kind byte (``JSON_REPLY`` or ``RUN_REPLY``). A run's reply carries the child's output
 as the child wrote it, not decoded here: the parent decodes the report lines, which it must do
 anyway, and the zygote's own work per run (all of it on pages that each fork write-protects again,
@@ -49,6 +50,7 @@ import gc
 import heapq  # noqa: F401
 import itertools
 import json
+import marshal
 import math  # noqa: F401
 import operator  # noqa: F401
 import os
@@ -114,7 +116,7 @@ def _read_frame(stream):
     if len(head) < 4:
         return None
     (n,) = struct.unpack(">I", head)
-    return json.loads(stream.read(n).decode("utf-8"))
+    return marshal.loads(stream.read(n))
 
 
 def _write_frame(fd: int, *parts: bytes) -> None:
