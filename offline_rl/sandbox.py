@@ -19,11 +19,13 @@ import struct
 import subprocess
 import sys
 import threading
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import CodeType
 from typing import Any, Literal
 
 from offline_rl.config import SandboxSettings
@@ -42,6 +44,9 @@ Status = Literal["passed", "failed", "error", "timeout"]
 JSON_REPLY, RUN_REPLY = ord("J"), ord("R")
 RUN_HEAD = struct.Struct(">??iiddd")
 TRUNCATED_LINES = 1000  # report lines decoded from a run that exceeded the zygote's output limit
+COMPILE_BEFORE_FORK_MAX = 16 << 10
+"""Sources up to this many characters are compiled here and sent as code objects (the zygote's
+COMPILE_IN_ZYGOTE_MAX); larger ones are compiled by the child, under its limits."""
 PIPE_BYTES = 1 << 20  # asked-for size of each pipe to a zygote (fs.pipe-max-size allows 1 MiB by default)
 READ_BYTES = 1 << 16
 
@@ -171,12 +176,27 @@ class Sandbox:
         self.isolation = hello["isolation"]
         self.isolation_reason = hello["reason"]
 
-    def _request(self, code: str, entry_point: str, inputs: Sequence[Sequence[Any]]) -> bytes:
+    def _request(self, code: str, entry_point: str, inputs: Sequence[Sequence[Any]]) -> bytes | dict:
+        """The request frame for the zygote, or the verdict itself when the program does not compile."""
+        program: str | CodeType = code
+        if len(code) <= COMPILE_BEFORE_FORK_MAX:
+            # Compiled here rather than in the zygote, where the compiler's work lands on pages that
+            # every fork write-protects again (~25 page faults per run, besides the compile itself).
+            # Compiling runs nothing of the program. Warnings about it (SyntaxWarning...) are noise
+            # here, and must not become errors under -W error.
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    program = compile(code, "<program>", "exec", dont_inherit=True)
+            except (SyntaxError, ValueError, MemoryError, RecursionError, OverflowError) as err:
+                return {"lines": [{"compile_error": f"{type(err).__name__}: {err}"}], "killed": False,
+                        "truncated": False, "signal": None, "exit_code": None, "wall_s": 0.0, "cpu_s": 0.0}
         s = self.settings
-        req = {"code": code, "entry": entry_point, "inputs": [list(a) for a in inputs], "cpu_s": s.cpu_s,
+        req = {"code": program, "entry": entry_point, "inputs": [list(a) for a in inputs], "cpu_s": s.cpu_s,
                "wall_s": s.wall_s, "per_test_s": s.per_test_s, "mem_mb": s.mem_mb, "nproc": s.nproc,
                "fsize_kb": s.fsize_kb}
-        # marshal, not JSON: the zygote runs this interpreter, and one C call decodes it there.
+        # marshal, not JSON: the zygote runs this interpreter, and one C call decodes it there, code
+        # object included.
         data = marshal.dumps(req)
         return struct.pack(">I", len(data)) + data
 
@@ -184,14 +204,18 @@ class Sandbox:
         """Send ``code`` to be run and scored on ``tests``; the future's result is its RunResult."""
         return self._submit(self._request(code, entry_point, [t.args for t in tests]), tests)
 
-    def _submit(self, frame: bytes, tests: Sequence[TestCase] | None) -> _Run:
-        run = _Run(self, frame, tests)
+    def _submit(self, request: bytes | dict, tests: Sequence[TestCase] | None) -> _Run:
+        if isinstance(request, dict):  # a verdict already: nothing to run
+            run = _Run(self, b"", tests)
+            self._finish(run, request)
+            return run
+        run = _Run(self, request, tests)
         with self._lock:
             if self._proc is None:
                 raise SandboxError("sandbox is closed")
             self._pending.append(run)
             try:
-                self._write(frame)
+                self._write(request)
             except _ZygoteDied:
                 self._recover()
         return run
@@ -255,10 +279,19 @@ class Sandbox:
             self._greeting = decode_reply(payload)
             return
         run = self._pending.popleft()
+        try:
+            reply = decode_reply(payload)
+        except Exception as err:  # noqa: BLE001 - delivered to the run's caller
+            if not run.done():
+                run.set_exception(err)
+            return
+        self._finish(run, reply)
+
+    @staticmethod
+    def _finish(run: _Run, reply: dict) -> None:
         if run.done():  # cancelled by its caller
             return
         try:
-            reply = decode_reply(payload)
             if "harness_error" in reply:
                 raise SandboxError(f"sandbox harness fault: {reply['harness_error']}")
             run.set_result(reply if run.tests is None else score_reply(reply, run.tests))

@@ -64,6 +64,7 @@ import string  # noqa: F401
 import struct
 import sys
 import time
+import types
 import warnings
 
 # shutil imports zlib, bz2 and lzma when it can (for archives, unused here): three extension modules
@@ -93,8 +94,9 @@ MAX_OUTPUT = 1 << 20
 TRUNCATED_LINES = 1000  # report lines the parent decodes of a run that exceeded MAX_OUTPUT
 RESULT_FD = 3
 COMPILE_IN_ZYGOTE_MAX = 16 << 10
-"""Sources up to this many characters are compiled by the zygote before the fork; larger ones by
-the child, under its CPU and memory limits (compile time grows with the source)."""
+"""Sources up to this many characters are compiled before the fork (by the parent, which sends the
+code object, or here); larger ones by the child, under its CPU and memory limits (compile time
+grows with the source)."""
 
 JSON_REPLY, RUN_REPLY = b"J", b"R"
 """A reply's first byte: a JSON object follows (the greeting, a verdict without a child, a harness
@@ -427,14 +429,17 @@ def _collect_until_exit(r: int, pidfd: int, deadline: float) -> tuple[list[bytes
 _runs = itertools.count()
 
 
-def _compile(source: str):
-    """The program's code object, compiled here before the fork (the child then neither builds nor
-    copies the compiler's pages: ~0.1 ms of a ~1.2 ms run). Compiling runs nothing of the program,
-    and the parent already compiled the same text to pre-check its syntax; a source too large to
-    compile quickly is left to the child, under its limits (None)."""
-    if len(source) > COMPILE_IN_ZYGOTE_MAX:
+def _compile(program):
+    """The program's code object before the fork, so that the child neither builds nor copies the
+    compiler's pages (~0.1 ms of a ~1.2 ms run): as the parent sends it (it compiles sources up to
+    COMPILE_IN_ZYGOTE_MAX itself), or compiled here from a small source. None for a source too
+    large to compile quickly: the child compiles it, under its limits. Compiling runs nothing of
+    the program."""
+    if isinstance(program, types.CodeType):
+        return program
+    if len(program) > COMPILE_IN_ZYGOTE_MAX:
         return None
-    return compile(source, "<program>", "exec", dont_inherit=True)
+    return compile(program, "<program>", "exec", dont_inherit=True)
 
 
 def _fork() -> int:

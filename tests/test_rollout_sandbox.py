@@ -1,6 +1,6 @@
-"""The sandbox paths rollouts take since the zygote compiles programs before forking: a syntax
-error is a verdict without a child, a large program is compiled by the child under its limits,
-and compiler warnings cannot block the zygote."""
+"""The sandbox paths rollouts take since programs are compiled before the fork (by the parent): a
+syntax error is a verdict without a child, a large program is compiled by the child under its
+limits, and compiler warnings cannot block the zygote."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from offline_rl.config import SandboxSettings
-from offline_rl.sandbox import Sandbox
+from offline_rl.sandbox import COMPILE_BEFORE_FORK_MAX, Sandbox
 from offline_rl.sandbox_zygote import COMPILE_IN_ZYGOTE_MAX
 from offline_rl.tasks import TestCase as Case
 
@@ -32,12 +32,12 @@ def test_a_syntax_error_is_a_verdict_without_a_child(sandbox):
     run = sandbox.run("def f(x):\n    return 3*x+\n", "f", TESTS)
     assert not run.compiled and run.error.startswith("compile_error: SyntaxError")
     assert [t.status for t in run.tests] == ["error"] * 3
-    assert run.cpu_s < 0.05  # no child ran: only the zygote's own compile is counted
+    assert run.cpu_s == 0.0  # compiled in the parent: neither a child nor the zygote did anything
 
 
 def test_a_large_program_is_compiled_by_the_child(sandbox):
     big = PAD + "def f(x):\n    return 3*x+1\n"
-    assert len(big) > COMPILE_IN_ZYGOTE_MAX
+    assert len(big) > COMPILE_IN_ZYGOTE_MAX == COMPILE_BEFORE_FORK_MAX
     assert sandbox.run(big, "f", TESTS).all_passed
     broken = sandbox.run(PAD + "def f(x):\n    return 3*x+\n", "f", TESTS)
     assert not broken.compiled and broken.error.startswith("compile_error: SyntaxError")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from offline_rl import sandbox_zygote as zygote
 from offline_rl.config import SandboxSettings
 from offline_rl.sandbox import Sandbox, decode_lines
 from offline_rl.sandbox_zygote import UID_BASE
+from offline_rl.tasks import TestCase as Case
 
 SETTINGS = SandboxSettings(wall_s=5.0, per_test_s=2.0, cpu_s=5)
 
@@ -138,3 +140,20 @@ def test_the_zygotes_directory_is_not_left_on_the_programs_path(sandbox):
     # other modules next to it.
     lines = sandbox.execute("import sys\ndef f(x):\n    return sys.path\n", "f", [[0]])["lines"]
     assert str(parent.ZYGOTE.parent) not in lines[0]["value"]
+
+
+def test_the_zygote_takes_a_code_object_or_a_source():
+    code = compile("x = 1", "<program>", "exec")
+    assert zygote._compile(code) is code  # compiled by the parent
+    assert zygote._compile("x = 1").co_names == ("x",)  # a small source: compiled before the fork
+    assert zygote._compile("#" * (zygote.COMPILE_IN_ZYGOTE_MAX + 1)) is None  # a large one: by the child
+
+
+def test_a_compiler_warning_is_not_an_error_in_the_parent(sandbox):
+    # The parent compiles programs; a program the compiler warns about ("is" with a literal) must
+    # get the same verdict when the parent runs with warnings as errors.
+    tests = [Case([x], 3 * x + 1) for x in (0, 1)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run = sandbox.run("def f(x):\n    return 4 if x is 1 else 3*x+1\n", "f", tests)
+    assert run.compiled and run.all_passed
