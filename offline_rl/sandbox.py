@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import json.decoder
+import json.scanner
 import marshal
 import os
 import select
@@ -382,18 +384,36 @@ def decode_reply(payload: bytes) -> dict:
             "wall_s": wall_s, "cpu_s": cpu_s, "zygote_cpu_s": zygote_cpu_s}
 
 
+# The C scanner under json.loads, called directly: json.loads runs three Python functions around it
+# on every line (~2.7 us a line, six or more lines per program). It keeps no state between calls.
+_SCAN = json.scanner.c_make_scanner(json.JSONDecoder())
+_SPACE = json.decoder.WHITESPACE.match
+
+
+def _loads(raw: bytes, _scan=_SCAN, _space=_SPACE, _loads=json.loads):
+    """json.loads(raw), faster for a UTF-8 line: anything the direct path does not take (other
+    encodings, a byte-order mark, not JSON at all) goes through json.loads itself."""
+    try:
+        text = raw.decode()
+        value, end = _scan(text, _space(text, 0).end())
+        if _space(text, end).end() == len(text):
+            return value
+    except (ValueError, StopIteration):
+        pass
+    return _loads(raw)
+
+
 def decode_lines(output: bytes, truncated: bool = False) -> list:
     """A child's output, one JSON value per non-blank line (``{"garbage": True}`` where a line is not
     JSON). Of an output that went over the limit only the first TRUNCATED_LINES count: such a run
     has failed, and its head and first reports are all that scoring needs."""
     lines: list = []
-    loads = json.loads
     for raw in output.split(b"\n"):
         if truncated and len(lines) >= TRUNCATED_LINES:
             break
         if raw.strip():
             try:
-                lines.append(loads(raw))
+                lines.append(_loads(raw))
             except (ValueError, RecursionError):  # a program may nest brackets past the decoder's depth
                 lines.append({"garbage": True})
     return lines

@@ -157,3 +157,14 @@ def test_a_compiler_warning_is_not_an_error_in_the_parent(sandbox):
         warnings.simplefilter("error")
         run = sandbox.run("def f(x):\n    return 4 if x is 1 else 3*x+1\n", "f", tests)
     assert run.compiled and run.all_passed
+
+
+@pytest.mark.parametrize("line", [b'{"i": 0, "value": [1, 2.5, "x"]}', b'  {"a": null}  ', b"\t7\r", b'"\\ud800"',
+                                  b"\xef\xbb\xbf[1]", b"1 2", b"[1", b"{} {}", b"NaN", b"-Infinity", b"\xff",
+                                  b'"\xed\xa0\x80"', '"é"'.encode("utf-16"), b"\x00", b"[" * 5000 + b"]" * 5000])
+def test_lines_decode_as_json_loads_would(line):
+    try:
+        expected = json.loads(line)
+    except (ValueError, RecursionError):
+        expected = {"garbage": True}
+    assert decode_lines(line + b"\n") == [expected]
