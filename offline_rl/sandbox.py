@@ -41,8 +41,8 @@ ZYGOTE = Path(__file__).with_name("sandbox_zygote.py")
 _BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); import sandbox_zygote; del sys.path[0]; sandbox_zygote.main()"
 Status = Literal["passed", "failed", "error", "timeout"]
 
-# The zygote's reply format (its module runs as a script and is not imported here; a test checks
-# that these match sandbox_zygote's own).
+# The zygote's reply format (the zygote runs in a process of its own from its path alone, and its
+# module is not imported here; a test checks that these match sandbox_zygote's own).
 JSON_REPLY, RUN_REPLY = ord("J"), ord("R")
 RUN_HEAD = struct.Struct(">??iiddd")
 TRUNCATED_LINES = 1000  # report lines decoded from a run that exceeded the zygote's output limit
@@ -280,6 +280,8 @@ class Sandbox:
         if self._awaiting_greeting:
             self._greeting = decode_reply(payload)
             return
+        if not self._pending:
+            raise SandboxError("sandbox sent a reply nobody asked for")
         run = self._pending.popleft()
         try:
             reply = decode_reply(payload)
