@@ -366,8 +366,12 @@ class Sandbox:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # Not contextlib.suppress: at interpreter exit module globals may already be None, and the
+        # lookup itself would raise ("Exception ignored in __del__" on every run's stderr).
+        try:  # noqa: SIM105
             self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to at garbage collection
+            pass
 
 
 class _ZygoteDied(Exception):
