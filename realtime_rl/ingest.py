@@ -37,7 +37,14 @@ from realtime_rl.bus import BusConsumer, BusUnavailable, Record, open_consumer
 from realtime_rl.database import make_engine, redacted_url
 from realtime_rl.ingest_decode import DB_REJECTED, Decoded, decode_record
 from realtime_rl.ingest_plan import BatchPlan, encode_ahead, plan_batch
-from realtime_rl.ingest_writer import WriteResult, dead_letter_row, dialect_insert, write_plan
+from realtime_rl.ingest_writer import (
+    OffsetsMoved,
+    WriteResult,
+    advance,
+    dead_letter_row,
+    dialect_insert,
+    write_plan,
+)
 from realtime_rl.schema import ensure_schema
 
 log = logging.getLogger("realtime_rl.ingest")
@@ -45,10 +52,6 @@ log = logging.getLogger("realtime_rl.ingest")
 _TRANSIENT_DB_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError,
                         sa_exc.TimeoutError)
 _DATA_ERRORS = (sa_exc.DataError, sa_exc.IntegrityError)
-
-
-class OffsetsMoved(RuntimeError):
-    """Another ingester of this group committed first; our view of the positions is stale."""
 
 
 _RECOVERABLE = (OffsetsMoved, BusUnavailable, *_TRANSIENT_DB_ERRORS)
@@ -249,40 +252,10 @@ class Ingester:
         self._log(f"ingest: {err}; re-reading positions")
         self.positions = None
 
-    def _advance(self, conn: sa.Connection, before: dict, after: dict, now: datetime) -> None:
-        """Move the stored positions from ``before`` to ``after``, only where they still are ``before``."""
-        o = t.consumer_offsets
-        moving = sorted(p for p in after if after[p] != before[p])
-        if conn.dialect.name == "postgresql" and len(moving) > 1:
-            # One statement (one round trip) for every partition: the batch's slow stage is a
-            # sequence of round trips, and this was one per partition.
-            values = ", ".join(f"(:t{i}, :p{i}, :b{i}, :a{i})" for i in range(len(moving)))
-            params: dict = {"group": self.group, "now": now}
-            for i, (topic, partition) in enumerate(moving):
-                params.update({f"t{i}": topic, f"p{i}": partition, f"b{i}": before[(topic, partition)],
-                               f"a{i}": after[(topic, partition)]})
-            moved = conn.execute(sa.text(
-                "UPDATE consumer_offsets AS o SET next_offset = v.after, updated_at = :now "
-                f"FROM (VALUES {values}) AS v(topic, partition, before, after) "
-                "WHERE o.group_id = :group AND o.topic = v.topic AND o.partition = v.partition "
-                "AND o.next_offset = v.before"), params).rowcount
-            if moved != len(moving):
-                raise OffsetsMoved(f"{moved} of {len(moving)} positions were where this batch began; the others "
-                                   "moved in another transaction")
-            return
-        for pos in moving:
-            topic, partition = pos
-            moved = conn.execute(
-                sa.update(o).where(o.c.group_id == self.group, o.c.topic == topic, o.c.partition == partition,
-                                   o.c.next_offset == before[pos])
-                .values(next_offset=after[pos], updated_at=now)).rowcount
-            if moved != 1:
-                raise OffsetsMoved(f"{topic}[{partition}] moved past {before[pos]} in another transaction")
-
     def _transaction(self, batch: _Batch, *, isolate: bool) -> WriteResult:
         now = utcnow()
         with self.engine.begin() as conn:
-            self._advance(conn, batch.before, batch.after, now)
+            advance(conn, self.group, batch.before, batch.after, now)
             if not isolate:
                 return write_plan(conn, batch.plan, now, max_raw=self.cfg.dead_letter_max_raw_bytes)
             return self._write_isolated(conn, batch.decoded, now)

@@ -26,7 +26,7 @@ import contextlib
 import functools
 import itertools
 import sqlite3
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -60,6 +60,43 @@ _IN_CHUNK = 2000
 # three, a completion one or two). With this entry the lookup hits, and the adapter returns its
 # argument (``{}.get`` of anything is None, and a C call): binding is unchanged, None is NULL.
 sqlite3.register_adapter(type(None), {}.get)
+
+
+class OffsetsMoved(RuntimeError):
+    """Another ingester of this group committed first; our view of the positions is stale."""
+
+
+def advance(conn: sa.Connection, group: str, before: dict[tuple[str, int], int],
+            after: dict[tuple[str, int], int], now: datetime) -> None:
+    """Move ``group``'s stored positions from ``before`` to ``after``, only where they still are ``before``
+    (else :class:`OffsetsMoved`: the transaction must not commit)."""
+    o = t.consumer_offsets
+    moving = sorted(p for p in after if after[p] != before[p])
+    if conn.dialect.name == "postgresql" and len(moving) > 1:
+        # One statement (one round trip) for every partition: the batch's slow stage is a
+        # sequence of round trips, and this was one per partition.
+        values = ", ".join(f"(:t{i}, :p{i}, :b{i}, :a{i})" for i in range(len(moving)))
+        params: dict = {"group": group, "now": now}
+        for i, (topic, partition) in enumerate(moving):
+            params.update({f"t{i}": topic, f"p{i}": partition, f"b{i}": before[(topic, partition)],
+                           f"a{i}": after[(topic, partition)]})
+        moved = conn.execute(sa.text(
+            "UPDATE consumer_offsets AS o SET next_offset = v.after, updated_at = :now "
+            f"FROM (VALUES {values}) AS v(topic, partition, before, after) "
+            "WHERE o.group_id = :group AND o.topic = v.topic AND o.partition = v.partition "
+            "AND o.next_offset = v.before"), params).rowcount
+        if moved != len(moving):
+            raise OffsetsMoved(f"{moved} of {len(moving)} positions were where this batch began; the others "
+                               "moved in another transaction")
+        return
+    for pos in moving:
+        topic, partition = pos
+        moved = conn.execute(
+            sa.update(o).where(o.c.group_id == group, o.c.topic == topic, o.c.partition == partition,
+                               o.c.next_offset == before[pos])
+            .values(next_offset=after[pos], updated_at=now)).rowcount
+        if moved != 1:
+            raise OffsetsMoved(f"{topic}[{partition}] moved past {before[pos]} in another transaction")
 
 
 @dataclass
@@ -128,18 +165,57 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
 
 def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: int) -> WriteResult:
     """Write a planned batch (:func:`realtime_rl.ingest_plan.plan_batch`) inside the open transaction."""
-    result = WriteResult(duplicates=plan.duplicates)
+    result = None
+    if plan.staging is not None:
+        result = write_direct(conn, functools.partial(staged_rows, plan), list(plan.completions),
+                              [i.event.completion_id for i in plan.feedback.values()], now)
+    elif conn.dialect.name == "postgresql":
+        _pg_session(conn, savepoint=False)
     dead = [dead_letter_row(item, now, max_raw, reason, detail) for item, reason, detail in plan.dead]
-    completions, feedback = plan.completions, plan.feedback
-    if conn.dialect.name == "postgresql":
-        _pg_session(conn, savepoint=plan.staging == "postgresql")
-    copied = _insert_direct(conn, plan, now) if plan.staging is not None else None
+    if result is None:
+        result = _write_resolving(conn, plan, now, max_raw, dead)
+    result.duplicates += plan.duplicates
+    return write_rest(conn, result, plan.versions, dead, now)
 
+
+def write_direct(conn: sa.Connection, rows: Callable[[str], Iterable[tuple]], completion_ids: list[str],
+                 feedback_cids: list[str], now: datetime) -> WriteResult | None:
+    """The staged path when nothing conflicts: ``rows(table)`` (the staged rows of ``"completions"``
+    and ``"feedback"``, in the order of ``completion_ids`` and ``feedback_cids``, their completion ids)
+    straight into the tables, then ``is_latest`` and the join. None when a unique index refused a row
+    (rolled back to the savepoint: nothing written; the caller resolves the batch row by row)."""
+    if conn.dialect.name == "postgresql":
+        _pg_session(conn, savepoint=True)
+    if not _insert_direct(conn, rows, {"completions": bool(completion_ids), "feedback": bool(feedback_cids)}, now):
+        return None
+    result = WriteResult(completions=len(completion_ids), feedback=len(feedback_cids))
+    _join(conn, result, completion_ids, set(feedback_cids), now)
+    return result
+
+
+def write_rest(conn: sa.Connection, result: WriteResult, versions: list[ModelVersionEvent],
+               dead: list[dict[str, Any]], now: datetime) -> WriteResult:
+    """The batch's model-version events and dead letters, counted into ``result``."""
+    if versions:
+        result.model_versions = _write_versions(conn, versions, now)
+    if dead:
+        conn.execute(sa.insert(t.dead_letters), dead)
+        result.dead_letters = len(dead)
+        for row in dead:
+            result.by_reason[row["reason"]] = result.by_reason.get(row["reason"], 0) + 1
+    return result
+
+
+def _write_resolving(conn: sa.Connection, plan: BatchPlan, now: datetime, max_raw: int,
+                     dead: list[dict[str, Any]]) -> WriteResult:
+    """Completions and feedback by ``INSERT ... ON CONFLICT DO NOTHING`` (staged through temp tables, or
+    plain), sorting the refused rows into re-deliveries (duplicates) and conflicts (appended to
+    ``dead``); then ``is_latest`` and the join."""
+    result = WriteResult()
+    completions, feedback = plan.completions, plan.feedback
     new_completion_ids: list[str] = []
     if completions:
-        if copied is not None:
-            new_completion_ids = copied[0]
-        elif plan.staging == "postgresql":
+        if plan.staging == "postgresql":
             new_completion_ids = _pg_stage_insert(conn, "completions", list(staged_rows(plan, "completions")), now)
         elif plan.staging == "sqlite":
             new_completion_ids = _sqlite_stage_insert(conn, "completions", list(staged_rows(plan, "completions")), now)
@@ -158,9 +234,7 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
 
     feedback_ids: set[str] = set()
     if feedback:
-        if copied is not None:
-            inserted = copied[1]
-        elif plan.staging == "postgresql":
+        if plan.staging == "postgresql":
             inserted = _pg_stage_insert(conn, "feedback", list(staged_rows(plan, "feedback")), now)
         elif plan.staging == "sqlite":
             inserted = _sqlite_stage_insert(conn, "feedback", list(staged_rows(plan, "feedback")), now)
@@ -172,23 +246,21 @@ def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: 
         result.feedback = len(inserted)
         result.duplicates += len(feedback) - len(inserted)
         feedback_ids = set(inserted)
-        if conn.dialect.name != "postgresql":  # PostgreSQL: in the training-example statement below
-            conn.exec_driver_sql(_SQLITE_MARK_LATEST, (json_text(sorted(feedback_ids)),))
+    _join(conn, result, new_completion_ids, feedback_ids, now)
+    return result
 
+
+def _join(conn: sa.Connection, result: WriteResult, new_completion_ids: list[str], feedback_ids: set[str],
+          now: datetime) -> None:
+    """After the batch's rows are in: ``is_latest`` corrected, training examples upserted, pending
+    feedback moved; the joined and pending counts go into ``result``."""
+    if feedback_ids and conn.dialect.name != "postgresql":  # PostgreSQL: in the join statement
+        conn.exec_driver_sql(_SQLITE_MARK_LATEST, (json_text(sorted(feedback_ids)),))
     touched = sorted(set(new_completion_ids) | feedback_ids)
     if touched and conn.dialect.name == "postgresql":  # the join and pending_feedback in one statement
         result.joined, result.pending = _pg_join(conn, touched, sorted(feedback_ids), now)
     elif touched:
         result.joined, result.pending = _sqlite_join(conn, touched, new_completion_ids, sorted(feedback_ids), now)
-
-    if plan.versions:
-        result.model_versions = _write_versions(conn, plan.versions, now)
-    if dead:
-        conn.execute(sa.insert(t.dead_letters), dead)
-        result.dead_letters = len(dead)
-        for row in dead:
-            result.by_reason[row["reason"]] = result.by_reason.get(row["reason"], 0) + 1
-    return result
 
 
 # Staged batches go straight into completions and feedback inside a savepoint (PostgreSQL: typed rows
@@ -230,28 +302,29 @@ def _pg_session(conn: sa.Connection, *, savepoint: bool) -> None:
         cursor.execute(statement)  # no parameters: the simple protocol, several statements at once
 
 
-def _insert_direct(conn: sa.Connection, plan: BatchPlan, now: datetime) -> tuple[list[str], list[str]] | None:
-    """Insert the planned rows straight into completions and feedback inside a savepoint (PostgreSQL:
-    binary COPY; SQLite: multi-row ``INSERT OR FAIL``). Returns (completion ids, feedback's completion
-    ids) written, or None when a unique index refused a row: rolled back to the savepoint, nothing
-    written, and the caller stages the batch instead."""
+def _insert_direct(conn: sa.Connection, rows: Callable[[str], Iterable[tuple]], tables: dict[str, bool],
+                   now: datetime) -> bool:
+    """Insert ``rows(table)`` straight into completions and feedback (those ``tables`` marks True) inside
+    a savepoint (PostgreSQL: binary COPY; SQLite: multi-row ``INSERT OR FAIL``). False when a unique
+    index refused a row: rolled back to the savepoint, nothing written, and the caller stages the batch
+    instead."""
     dbapi_error = conn.dialect.loaded_dbapi.Error
     pg = conn.dialect.name == "postgresql"
     cursor = conn.connection.driver_connection.cursor()
     try:
         if not pg:
             cursor.execute(f"SAVEPOINT {_SAVEPOINT}")  # PostgreSQL's was set in _pg_session's round trip
-        for table, items in (("completions", plan.completions), ("feedback", plan.feedback)):
-            if not items:
+        for table, wanted in tables.items():
+            if not wanted:
                 continue
             cols = ", ".join(f'"{c}"' for c in _STAGED_COLUMNS[table])
             if pg:
                 with cursor.copy(f"COPY {table} ({cols}, ingested_at) FROM STDIN (FORMAT BINARY)") as copy:
                     copy.set_types([*PG_COPY_TYPES[table], "timestamptz"])
-                    for row in staged_rows(plan, table):
+                    for row in rows(table):
                         copy.write_row((*row, now))
             else:
-                _sqlite_insert_rows(cursor, table, staged_rows(plan, table), sqlite_timestamp(now))
+                _sqlite_insert_rows(cursor, table, rows(table), sqlite_timestamp(now))
         if not pg:
             cursor.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
     except dbapi_error as err:
@@ -261,10 +334,10 @@ def _insert_direct(conn: sa.Connection, plan: BatchPlan, now: datetime) -> tuple
             cursor.execute(f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}")
             if not pg:
                 cursor.execute(f"RELEASE SAVEPOINT {_SAVEPOINT}")
-        return None
+        return False
     finally:
         cursor.close()
-    return list(plan.completions), [i.event.completion_id for i in plan.feedback.values()]
+    return True
 
 
 _SQLITE_ROWS_PER_INSERT = 256
