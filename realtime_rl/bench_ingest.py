@@ -135,7 +135,8 @@ def _backend_cpu_s(engine) -> Callable[[], float]:
 
 def _ingest(settings, n: int, timeout_s: float, on_ready: Callable[[], None] | None = None) -> tuple[float, Any, dict]:
     """Run the ingester until ``n`` records are committed; returns (wall time of last commit, stats,
-    CPU seconds of the ingester process and of its database server processes)."""
+    CPU seconds of the ingester's processes (its writer process's also apart) and of its database
+    server processes)."""
     from realtime_rl.ingest import Ingester
 
     ingester = Ingester(settings)
@@ -153,12 +154,13 @@ def _ingest(settings, n: int, timeout_s: float, on_ready: Callable[[], None] | N
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         backend_cpu = _backend_cpu_s(ingester.engine)
-        cpu0, db0 = time.process_time(), backend_cpu()
+        cpu0, db0, writer0 = time.process_time(), backend_cpu(), ingester.writer_cpu_s
         if on_ready is not None:
             on_ready()
         ingester.run(stop)
         watcher.join()
-        cpu = {"ingester": time.process_time() - cpu0, "database": backend_cpu() - db0}
+        writer = ingester.writer_cpu_s - writer0
+        cpu = {"ingester": time.process_time() - cpu0 + writer, "writer": writer, "database": backend_cpu() - db0}
         if ingester.stats.records < n:
             raise TimeoutError(f"ingested {ingester.stats.records} of {n} records in {timeout_s} s")
         last_commit = time.time() - (time.monotonic() - ingester.stats.last_commit_s)

@@ -62,7 +62,11 @@ crash still loses nothing committed. At ``synchronous=NORMAL`` the WAL is fsynce
 checkpoints, so a power cut or OS crash can roll back the transactions since the last one: now up to
 ~40 MiB of them instead of ~4 MiB, each with its offsets, so they are read from the bus again (the
 bus must still hold them: Kafka's retention, the embedded log keeps everything). ``temp_store``:
-the fallback path's staging tables and the sorter's scratch space in memory (temporary anyway)."""
+the fallback path's staging tables and the sorter's scratch space in memory (temporary anyway).
+The ingester's writer process turns automatic checkpoints off on its connection and runs them from a
+thread of its own in the pauses of the traffic, or during it past 128 MiB of log
+(``realtime_rl.ingest_proc``): what a power cut can roll back is then what was committed since that
+thread's last checkpoint, in a sustained burst up to 128 MiB of log."""
 
 
 def _sqlite_engine(url: sa.URL, settings: DatabaseSettings, readonly: bool) -> sa.Engine:

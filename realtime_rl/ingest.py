@@ -31,12 +31,21 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import make_url
 
 from realtime_rl import tables as t
 from realtime_rl.bus import BusConsumer, BusUnavailable, Record, open_consumer
-from realtime_rl.database import make_engine, redacted_url
+from realtime_rl.database import make_engine, redacted_url, url_of
 from realtime_rl.ingest_decode import DB_REJECTED, Decoded, decode_record
-from realtime_rl.ingest_plan import BatchPlan, encode_ahead, plan_batch
+from realtime_rl.ingest_plan import BatchPlan, plan_batch
+from realtime_rl.ingest_proc import (
+    WriterDatabaseUnavailable,
+    WriterProcess,
+    WriterRefused,
+    WriterSkipped,
+    WriterUnavailable,
+    ship,
+)
 from realtime_rl.ingest_writer import (
     OffsetsMoved,
     WriteResult,
@@ -54,7 +63,7 @@ _TRANSIENT_DB_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.D
 _DATA_ERRORS = (sa_exc.DataError, sa_exc.IntegrityError)
 
 
-_RECOVERABLE = (OffsetsMoved, BusUnavailable, *_TRANSIENT_DB_ERRORS)
+_RECOVERABLE = (OffsetsMoved, BusUnavailable, WriterUnavailable, WriterDatabaseUnavailable, *_TRANSIENT_DB_ERRORS)
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 """While ingesting. The commit thread mostly waits on database round trips; when an answer arrives
@@ -85,10 +94,10 @@ class _Batch:
     after: dict[tuple[str, int], int]
     decoded: list[Decoded]
     plan: BatchPlan
+    shipped: bytes | None = None
+    """The batch for the writer process (``ingest_proc.ship``), if it takes it."""
 
 
-_ENCODE_AHEAD_ROWS = 200
-"""Rows encoded between two looks at the transaction in flight (~0.5 ms of work)."""
 _BUSY_CHECK_S = 0.02
 """While filling a batch beside a running transaction: how often to look whether it has ended."""
 
@@ -106,11 +115,13 @@ class Ingester:
     """Consumes the events and versions topics for ``settings.ingest.group`` into the feedback tables.
 
     ``settings`` is the composed :class:`rtrl.config.Settings` (sections ``bus``, ``db``, ``ingest``).
-    The bus connection is opened lazily, so an ingester can start while the bus is down.
+    The bus connection is opened lazily, so an ingester can start while the bus is down. Staged
+    batches are written by a child process (``realtime_rl.ingest_proc``), started when the ingester
+    attaches; ``writer_process=False`` writes every batch in this process (slower, same rows).
     """
 
     def __init__(self, settings, *, consumer: BusConsumer | None = None,
-                 log_fn: Callable[[str], None] | None = None) -> None:
+                 log_fn: Callable[[str], None] | None = None, writer_process: bool = True) -> None:
         self.settings = settings
         self.cfg = settings.ingest
         self.group = self.cfg.group
@@ -122,6 +133,11 @@ class Ingester:
         self.stats = IngestStats()
         self._log = log_fn or log.info
         self._empty_polls = 0
+        # An in-memory SQLite database exists in this process only: nothing for a writer process to write to.
+        url = make_url(url_of(settings.db))
+        in_memory = url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+        self._writer = WriterProcess(settings.db, self.group, max_raw=self.cfg.dead_letter_max_raw_bytes,
+                                     gc_threshold=self.cfg.gc_threshold) if writer_process and not in_memory else None
 
     # -- bus attachment -------------------------------------------------------------------------
 
@@ -131,8 +147,17 @@ class Ingester:
             self._consumer = open_consumer(self.settings.bus, self.group)
         return self._consumer
 
+    @property
+    def writer_cpu_s(self) -> float:
+        """CPU seconds of the writer process(es) so far (0 without one): the ingester's CPU is this
+        process's and theirs."""
+        return self._writer.cpu_s if self._writer is not None else 0.0
+
     def _attach(self) -> None:
-        """Read (and initialise) this group's positions from the database and seek the bus there."""
+        """Read (and initialise) this group's positions from the database, seek the bus there, and have
+        the writer process running."""
+        if self._writer is not None:
+            self._writer.start()
         wanted = [(topic, p) for topic in self.topics for p in self.consumer.partitions(topic)]
         offsets = t.consumer_offsets
         with self.engine.begin() as conn:
@@ -227,17 +252,23 @@ class Ingester:
             if r.offset >= after[pos]:
                 after[pos] = r.offset + 1
         decoded = [decode_record(r, self.cfg.max_event_bytes) for r in records]
-        return _Batch(before, after, decoded, plan_batch(decoded, self.engine.dialect, use_copy=self.cfg.staged_writes))
+        plan = plan_batch(decoded, self.engine.dialect, use_copy=self.cfg.staged_writes)
+        shipped = ship(plan, before, after) if self._writer is not None and plan.staging is not None else None
+        return _Batch(before, after, decoded, plan, shipped)
 
     def _apply(self, batch: _Batch) -> None:
         """One transaction: advance the offsets from ``batch.before`` to ``batch.after``, write the rows
         (a second one, record by record, if the database refused a record in the first).
 
-        Never touches the bus consumer (it may run on the commit thread while the main thread polls).
+        Staged batches go to the writer process; one it rolled back because a unique index refused a
+        row comes back here and is resolved row by row. Never touches the bus consumer (it may run on
+        the commit thread while the main thread polls).
         """
         try:
-            result = self._transaction(batch, isolate=False)
-        except _DATA_ERRORS:
+            result = self._in_writer(batch) if batch.shipped is not None and self._writer is not None else None
+            if result is None:
+                result = self._transaction(batch, isolate=False, direct=batch.shipped is None)
+        except (*_DATA_ERRORS, WriterRefused):
             # Some record is refused by the database itself: the transaction is gone; do the batch
             # again with a savepoint per record, so that only that record is dead-lettered.
             result = self._transaction(batch, isolate=True)
@@ -247,17 +278,28 @@ class Ingester:
         self.stats.last_commit_s = time.monotonic()
         self.stats.written.add(result)
 
+    def _in_writer(self, batch: _Batch) -> WriteResult | None:
+        """The batch's transaction in the writer process; None when this process must write it: a unique
+        index refused a row there (rolled back), or the batch could not be handed over."""
+        assert self._writer is not None and batch.shipped is not None
+        try:
+            return self._writer.apply(batch.shipped)
+        except WriterSkipped as err:
+            self._log(f"ingest: {err}; written by the ingester itself")
+            batch.shipped = None
+            return None
+
     def _fenced(self, err: OffsetsMoved) -> None:
         self.stats.fenced += 1
         self._log(f"ingest: {err}; re-reading positions")
         self.positions = None
 
-    def _transaction(self, batch: _Batch, *, isolate: bool) -> WriteResult:
+    def _transaction(self, batch: _Batch, *, isolate: bool, direct: bool = True) -> WriteResult:
         now = utcnow()
         with self.engine.begin() as conn:
             advance(conn, self.group, batch.before, batch.after, now)
             if not isolate:
-                return write_plan(conn, batch.plan, now, max_raw=self.cfg.dead_letter_max_raw_bytes)
+                return write_plan(conn, batch.plan, now, max_raw=self.cfg.dead_letter_max_raw_bytes, direct=direct)
             return self._write_isolated(conn, batch.decoded, now)
 
     def _write_isolated(self, conn: sa.Connection, decoded: list[Decoded], now: datetime) -> WriteResult:
@@ -319,10 +361,6 @@ class Ingester:
                     batch = self._prepare(records, floor) if records else None
                     if inflight is not None:
                         done, inflight = inflight[0], None
-                        # Encode the next batch's rows in slices while the commit runs; each call does
-                        # the work and says whether any is left, so the loop needs no body.
-                        while batch is not None and not done.done() and encode_ahead(batch.plan, _ENCODE_AHEAD_ROWS):
-                            pass
                         done.result()
                     if batch is not None:
                         inflight = (pool.submit(self._apply, batch), batch)
@@ -406,6 +444,8 @@ class Ingester:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+        if self._writer is not None:
+            self._writer.close()
         self.engine.dispose()
 
 

@@ -1,15 +1,18 @@
 """One batch's writes worked out from its decoded events alone, before any database is involved.
 
 Nothing here touches a connection, so the ingester does it on its main thread, right after decoding,
-while the previous batch's transaction is still running on the commit thread: that transaction is
-the pipeline's slow stage, and it is left with little but database round trips.
+while the previous batch's transaction is still running: that transaction is the pipeline's slow
+stage, and it is left with little but database round trips.
 
 Within the batch: a repeated event id counts as a duplicate; a second completion event for one
 completion id is a conflict (dead-lettered); the newest feedback per completion is marked, so that
-the common case (one judgement per completion) needs no correcting update. For the staged paths the
-rows are encoded too, without the ingestion time (the transaction adds it), by ``staged_rows`` as the
-writer streams them, or earlier by ``encode_ahead`` while the main thread waits for the previous
-commit:
+the common case (one judgement per completion) needs no correcting update.
+
+For the staged paths the rows are encoded in two steps. ``staged_fields`` takes each event's raw
+values (strings, number lists, the sampling record's fields, the newest flag) and the batch's
+timestamps as one JSON text: cheap, and plain data that ``marshal`` ships to the writer process
+(``realtime_rl.ingest_proc``). ``encode_rows`` turns them into the driver's rows, without the
+ingestion time (the transaction adds it), where the transaction runs:
 
 - PostgreSQL: typed tuples for COPY's binary format. JSON values are the compact text ``json_text``
   gives (the binary form of ``json`` is its text), timestamps timezone-aware datetimes.
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import sqlalchemy as sa
-from pydantic_core import TzInfo, to_json
+from pydantic_core import TzInfo, from_json, to_json
 
 from realtime_rl.events import CompletionEvent, FeedbackEvent, ModelVersionEvent
 from realtime_rl.ingest_decode import CONFLICT, Decoded
@@ -61,9 +64,6 @@ class BatchPlan:
     dead: list[tuple[Decoded, str | None, str | None]] = field(default_factory=list)
     """(item, reason, detail) to dead-letter; None keeps the item's own reason and detail."""
     duplicates: int = 0
-    encoded: dict[str, list[tuple]] = field(default_factory=dict, repr=False)
-    """Staged rows ``encode_ahead`` encoded per table (a prefix, in the order of ``completions`` /
-    ``feedback``), until ``staged_rows`` hands them over."""
 
 
 def staging_for(dialect: sa.Dialect, use_copy: bool, n_events: int) -> str | None:
@@ -110,85 +110,125 @@ def plan_batch(items: Sequence[Decoded], dialect: sa.Dialect, *, use_copy: bool 
     return plan
 
 
+def staged_fields(plan: BatchPlan, table: str, start: int = 0,
+                  stop: int | None = None) -> tuple[list, bytes]:
+    """``table``'s staged items from position ``start`` (to ``stop``) as field values by column, and
+    their timestamps as one JSON text (``stamps_json``): plain values only (str, bytes, int, float,
+    bool, None, lists, the sampling record's field dict), which ``marshal`` ships to the writer
+    process in C, and ``encode_rows`` turns into rows there.
+
+    Completions: ``[fields, token ids, samplings]``: a tuple of the text and number columns
+    (``_completion_fields``), all the prompt and then all the completion token-id lists as one JSON
+    text (pydantic-core writes an int in ~200 instructions, while shipping a list of small ints costs
+    more than that: marshal looks each shared small int up in its reference table, both ways; and one
+    call instead of two a completion saves ~1 us an event), and the sampling record's fields. Feedback: ``[fields, newest]``: the columns up to ``comment``, and whether the event
+    is the newest of its completion in the batch. Built by C-level ``map`` calls over the events'
+    ``__dict__``: a Python loop (or a pydantic model's attribute access, which goes through its
+    ``__getattr__`` hook) cost several times as much per event."""
+    items = itertools.islice((plan.completions if table == "completions" else plan.feedback).values(), start, stop)
+    events = list(map(_event_dict, items))
+    if table == "completions":
+        fields = [list(map(_completion_fields, events)),
+                  to_json([*map(_prompt_ids, events), *map(_completion_ids, events)]),
+                  list(map(_dict_of, map(_sampling, events)))]
+    else:
+        fields = [list(map(_feedback_fields, events)), list(map(plan.newest.__contains__, map(_event_id, events)))]
+    return fields, stamps_json(list(map(_ts, events)))
+
+
+def stamps_for(staging: str, stamps: bytes, n: int) -> list:
+    """The ``n`` timestamps of ``stamps_json``'s text as the rows carry them: SQLite's text, or
+    timezone-aware datetimes for PostgreSQL's COPY (naive ones mean UTC)."""
+    if staging == "sqlite":
+        return _sqlite_stamps(stamps, n)
+    return [_aware(datetime.fromisoformat(s)) for s in from_json(stamps)]
+
+
+def encode_rows(staging: str, table: str, fields: list, times: list) -> list[tuple]:
+    """The driver's rows for ``staged_fields``' values (``_by_row``'s form) and their ``stamps_for``
+    timestamps: ``staging`` is ``"postgresql"`` (binary COPY tuples) or ``"sqlite"`` (parameter
+    tuples). The JSON columns are ``json_text``'s encoding (pydantic-core's, called directly)."""
+    if table == "completions":
+        values, prompt_ids, completion_ids, samplings = fields
+        sampling_json: dict[str, str] = {}
+        return [(*f[:7], p, c, to_json(f[7]).decode(), None if f[8] is None else to_json(f[8]).decode(),
+                 None if f[9] is None else to_json(f[9]).decode(), _sampling_json(sampling, sampling_json),
+                 *f[10:], ts)
+                for f, p, c, sampling, ts in zip(values, prompt_ids, completion_ids, samplings, times, strict=True)]
+    values, newest = fields
+    if staging == "postgresql":
+        return [(*f[:6], None if f[6] is None else float(f[6]), f[7], ts, latest)
+                for f, latest, ts in zip(values, newest, times, strict=True)]
+    return [(*f, ts, int(latest)) for f, latest, ts in zip(values, newest, times, strict=True)]
+
+
+def _by_row(table: str, fields: list) -> list:
+    """``staged_fields``' completions with their token-id text cut into one JSON text a list, prompt
+    lists and completion lists apart (feedback as it is). A list of ints holds no bracket, so the lists
+    are the text between ``[[`` and ``]]`` cut at each ``],[``."""
+    if table != "completions":
+        return fields
+    values, token_ids, samplings = fields
+    n = len(values)
+    texts = ["[" + t + "]" for t in token_ids.decode()[2:-2].split("],[")] if n else []
+    if len(texts) != 2 * n:
+        raise ValueError(f"{len(texts)} token-id lists for {n} completions")
+    return [values, texts[:n], texts[n:], samplings]
+
+
+def _sampling_json(sampling: dict, seen: dict[str, str]) -> str:
+    """The sampling record's JSON (its field dict is written exactly as the record itself: same fields,
+    same order, same values). The completions of a batch mostly share their sampling parameters, so
+    each distinct one is encoded once, found by its ``repr`` (exact: it tells -0.0 from 0.0 and 1 from
+    1.0, which compare equal), ~2.5k instructions against ~7k for the encoding."""
+    key = repr(sampling)
+    text = seen.get(key)
+    if text is None:
+        text = seen[key] = to_json(sampling).decode()
+    return text
+
+
+def encoded_rows(staging: str, table: str, fields: list, stamps: bytes) -> Iterator[tuple]:
+    """``encode_rows`` of all ``fields`` a slice at a time, as they are consumed: the writer streams them
+    (COPY, multi-row INSERTs), so that encoding the rest overlaps the database's work on the rows
+    already sent, and no row outlives its use."""
+    fields = _by_row(table, fields)
+    times = stamps_for(staging, stamps, len(fields[0]))
+    for start in range(0, len(times), _ENCODE_SLICE):
+        stop = start + _ENCODE_SLICE
+        yield from encode_rows(staging, table, [column[start:stop] for column in fields], times[start:stop])
+
+
 def staged_rows(plan: BatchPlan, table: str) -> Iterator[tuple]:
-    """The staged path's rows for ``table`` (PostgreSQL: typed tuples for binary COPY; SQLite: the
-    driver's parameter tuples): those ``encode_ahead`` prepared, then the rest, encoded a slice at a
-    time as they are consumed. The writer streams them (COPY, multi-row INSERTs), so that encoding the
-    rest overlaps the database's work on the rows already sent. No row outlives its use: thousands of
-    live tuples made the batch's one garbage collection ~50 ms instead of a few; a second read (the
-    fallback after a unique violation, rare) encodes them all again."""
-    ahead = plan.encoded.pop(table, [])
-    start = len(ahead)
-    yield from ahead
-    del ahead
-    items = _items(plan, table, start)
-    while chunk := list(itertools.islice(items, _ENCODE_SLICE)):
-        yield from _encode(plan, table, chunk)
+    """The staged path's rows for ``table`` in this process (PostgreSQL: typed tuples for binary COPY;
+    SQLite: the driver's parameter tuples), encoded a slice at a time as they are consumed (see
+    ``encoded_rows``). A second read (the fallback after a unique violation) encodes them again."""
+    assert plan.staging is not None
+    start = 0
+    while True:
+        fields, stamps = staged_fields(plan, table, start, start + _ENCODE_SLICE)
+        n = len(fields[0])
+        if not n:
+            return
+        yield from encode_rows(plan.staging, table, _by_row(table, fields), stamps_for(plan.staging, stamps, n))
+        start += n
 
 
 _ENCODE_SLICE = 256
-"""Rows the writer's stream encodes at once (one SQLite INSERT's worth): the timestamps of a slice are
-formatted in one call."""
+"""Rows encoded at once as the writer consumes them (one SQLite INSERT's worth)."""
 
-
-def encode_ahead(plan: BatchPlan, rows: int) -> bool:
-    """Encode up to ``rows`` more staged rows of ``plan`` before its transaction starts; False once
-    none are left. The ingester calls it while it waits for the previous batch's commit: when the
-    commit thread is the slower stage, encoding there delays the rows the database is waiting for,
-    while the main thread would otherwise sit idle; when it is not, the commit thread encodes the
-    rest (it would have waited for the main thread anyway)."""
-    if plan.staging is None:
-        return False
-    for table in ("completions", "feedback"):
-        ahead = plan.encoded.setdefault(table, [])
-        before = len(ahead)
-        chunk = list(_items(plan, table, before, before + rows))
-        if chunk:
-            ahead.extend(_encode(plan, table, chunk))
-        rows -= len(chunk)
-        if rows <= 0:
-            return True
-    return False
-
-
-def _items(plan: BatchPlan, table: str, start: int, stop: int | None = None) -> Iterator[Decoded]:
-    """``table``'s items from position ``start``, without copying the others: ``encode_ahead`` takes
-    dozens of slices of one batch, and a list of every item for each would copy the batch each time."""
-    return itertools.islice((plan.completions if table == "completions" else plan.feedback).values(), start, stop)
-
-
-def _encode(plan: BatchPlan, table: str, items: list[Decoded]) -> list[tuple]:
-    """``items``' staged rows for ``table``, in order. Fields come from each event's ``__dict__`` by one
-    ``itemgetter`` call: a pydantic model's attribute access goes through its ``__getattr__`` hook
-    (~0.1 us each, 18 per completion)."""
-    events = [i.event.__dict__ for i in items]
-    pg = plan.staging == "postgresql"
-    if table == "completions":
-        if pg:
-            return [(*_completion_head(e), *_completion_json(e), *_completion_tail(e), _aware(e["ts"]))
-                    for e in events]
-        return [(*_completion_head(e), *_completion_json(e), *_completion_tail(e), ts)
-                for e, ts in zip(events, sqlite_timestamps([e["ts"] for e in events]), strict=True)]
-    newest = plan.newest
-    if pg:
-        return [(*_feedback_head(e), None if e["score"] is None else float(e["score"]), e["comment"],
-                 _aware(e["ts"]), e["event_id"] in newest) for e in events]
-    return [(*_feedback_head(e), e["score"], e["comment"], ts, int(e["event_id"] in newest))
-            for e, ts in zip(events, sqlite_timestamps([e["ts"] for e in events]), strict=True)]
-
-
-_completion_head = operator.itemgetter(*COMPLETION_COLUMNS[:7])
-_completion_tail = operator.itemgetter(*COMPLETION_COLUMNS[13:17])
-_feedback_head = operator.itemgetter(*FEEDBACK_COLUMNS[:6])
-
-
-def _completion_json(e: dict) -> tuple:
-    """The JSON columns of a completion (its ``__dict__``), in column order: ``json_text``'s encoding,
-    called directly (six calls a completion, each a Python frame through ``json_text``)."""
-    return (to_json(e["prompt_token_ids"]).decode(), to_json(e["completion_token_ids"]).decode(),
-            to_json(e["logprobs"]).decode(),
-            None if e["sampling_logprobs"] is None else to_json(e["sampling_logprobs"]).decode(),
-            None if e["expert_ids"] is None else to_json(e["expert_ids"]).decode(), to_json(e["sampling"]).decode())
+_event_dict = operator.attrgetter("event.__dict__")
+_completion_fields = operator.itemgetter(*COMPLETION_COLUMNS[:7], "logprobs", "sampling_logprobs", "expert_ids",
+                                         *COMPLETION_COLUMNS[13:17])
+"""A completion's text columns, its two log-prob lists, its expert ids (None but for mixture-of-experts
+models), and the 4 columns after ``sampling``."""
+_prompt_ids = operator.itemgetter("prompt_token_ids")
+_completion_ids = operator.itemgetter("completion_token_ids")
+_sampling = operator.itemgetter("sampling")
+_dict_of = operator.attrgetter("__dict__")
+_feedback_fields = operator.itemgetter(*FEEDBACK_COLUMNS[:8])
+_event_id = operator.itemgetter("event_id")
+_ts = operator.itemgetter("ts")
 
 
 def newest_in_batch(events: list[FeedbackEvent]) -> set[str]:
@@ -221,23 +261,60 @@ def sqlite_timestamp(ts: datetime) -> str:
 
 
 def sqlite_timestamps(stamps: list[datetime]) -> list[str]:
-    """``sqlite_timestamp`` of each of ``stamps``, usually for all of them in one serializer call.
+    """``sqlite_timestamp`` of each of ``stamps``, through their ``stamps_json`` text (as ``encode_rows``
+    formats them).
 
     pydantic-core writes a timestamp whose offset is zero with microseconds as
     ``"YYYY-MM-DDTHH:MM:SS.ffffffZ"`` (27 characters): the SQLite text once the ``T`` is a space and
     the ``Z`` gone. A list of only those is exactly ``30 n + 1`` characters long with ``n`` closing
     ``Z"`` (the other forms, naive, with an offset or without microseconds, are 19 to 32 characters,
     and a ``Z"`` closes only the zero-offset ones of 20 or 27), so the whole list is converted by three
-    string operations. Only for pydantic's own ``TzInfo`` (what decoded events carry), whose offsets
-    are whole seconds: a ``datetime.timezone`` of a few microseconds is written ``Z`` too. Anything
-    else goes one at a time. ~5k instructions a timestamp instead of ~16k (``isoformat`` formats with
-    ``printf`` and asks ``TzInfo`` for the offset twice)."""
+    string operations. ~5k instructions a timestamp instead of ~16k (``isoformat`` formats with
+    ``printf`` and asks ``TzInfo`` for the offset twice). Anything else is parsed back and formatted
+    one at a time."""
+    return _sqlite_stamps(stamps_json(stamps), len(stamps))
+
+
+def _sqlite_stamps_at_zero(text: str, n: int) -> list[str] | None:
+    """``sqlite_timestamps``' three string operations on a JSON ``text`` of ``n`` stamps that holds a
+    ``Z`` only for offset zero, or None unless every one is a zero-offset stamp with microseconds."""
+    if len(text) == 30 * n + 1 and text.count('Z"') == n:
+        return text[2:-3].replace("T", " ").split('Z","')
+    return None
+
+
+def stamps_json(stamps: list[datetime]) -> bytes:
+    """``stamps`` as one JSON text that stands for them exactly (``encode_rows`` reads it back).
+
+    pydantic-core writes an offset in whole minutes, and ``Z`` for a few microseconds' offset: a
+    timestamp it would write lossily (never a decoded one: JSON offsets are minutes) goes as its UTC
+    instant instead, which is what both databases store of it. The common case costs one serializer
+    call and a length check (every stamp pydantic's own ``TzInfo`` at offset zero, with microseconds,
+    as ``sqlite_timestamps`` uses it)."""
+    text = to_json(stamps)
     n = len(stamps)
-    if n and set(map(type, map(_tzinfo, stamps))) == {TzInfo}:
-        text = to_json(stamps).decode()
-        if len(text) == 30 * n + 1 and text.count('Z"') == n:
-            return text[2:-3].replace("T", " ").split('Z","')
-    return [sqlite_timestamp(ts) for ts in stamps]
+    if n and len(text) == 30 * n + 1 and set(map(type, map(_tzinfo, stamps))) == {TzInfo} \
+            and text.count(b'Z"') == n:
+        return text
+    if all(map(_lossless, stamps)):
+        return text
+    return to_json([ts if _lossless(ts) else ts.astimezone(UTC) for ts in stamps])
+
+
+def _lossless(ts: datetime) -> bool:
+    offset = ts.utcoffset()
+    return offset is None or not (offset.microseconds or offset.seconds % 60)
+
+
+def _sqlite_stamps(stamps: bytes, n: int) -> list[str]:
+    """``sqlite_timestamps`` of the ``n`` stamps in ``stamps_json``'s text: the same three string
+    operations when all are at offset zero with microseconds (``stamps_json`` writes ``Z`` only for
+    offset zero), else each stamp parsed back and formatted."""
+    text = stamps.decode()
+    fast = _sqlite_stamps_at_zero(text, n) if n else []
+    if fast is not None:
+        return fast
+    return [sqlite_timestamp(datetime.fromisoformat(s)) for s in from_json(text)]
 
 
 _tzinfo = operator.attrgetter("tzinfo")

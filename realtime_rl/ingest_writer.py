@@ -163,10 +163,12 @@ def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *,
     return write_plan(conn, plan_batch(items, conn.dialect, use_copy=use_copy), now, max_raw=max_raw)
 
 
-def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: int) -> WriteResult:
-    """Write a planned batch (:func:`realtime_rl.ingest_plan.plan_batch`) inside the open transaction."""
+def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: int,
+               direct: bool = True) -> WriteResult:
+    """Write a planned batch (:func:`realtime_rl.ingest_plan.plan_batch`) inside the open transaction.
+    ``direct=False`` skips the staged path's first try straight into the tables (known to conflict)."""
     result = None
-    if plan.staging is not None:
+    if plan.staging is not None and direct:
         result = write_direct(conn, functools.partial(staged_rows, plan), list(plan.completions),
                               [i.event.completion_id for i in plan.feedback.values()], now)
     elif conn.dialect.name == "postgresql":

@@ -172,6 +172,8 @@ def test_a_record_the_database_refuses_is_isolated(tmp_path: Path, db_url: str) 
 
 
 def test_a_failure_mid_transaction_commits_nothing(tmp_path: Path, db_url: str, monkeypatch) -> None:
+    """In the ingester's own process (``writer_process=False``, where a failure can be injected; the
+    writer process runs the same transaction: tests/test_ingest_proc.py kills it mid-way)."""
     import realtime_rl.ingest as ingest_mod
 
     s = make_settings(tmp_path, db_url)
@@ -184,7 +186,7 @@ def test_a_failure_mid_transaction_commits_nothing(tmp_path: Path, db_url: str, 
         raise sa_exc.OperationalError("INSERT", {}, Exception("connection lost"))  # ... then it dies
 
     monkeypatch.setattr(ingest_mod, "write_plan", write_then_fail)
-    ing = Ingester(s)
+    ing = Ingester(s, writer_process=False)
     with pytest.raises(sa_exc.OperationalError):
         ing.run_once()
     assert counts(db_url, "completions", "feedback", "training_examples") == \
