@@ -13,7 +13,8 @@ synthetic stream (``realtime_rl.event_samples``) as fast as it can:
 Also reported: the producer's own rate, ``backlog_events_per_s`` / ``backlog_ceiling_events_per_s``
 (the same two measurements over a topic already full, i.e. catching up, with no producer competing
 for the cores), and CPU microseconds per event of the backlog runs (consumer-only pass, ingester
-process, PostgreSQL server processes read from /proc): wall-clock rates on a shared machine move
+processes, i.e. its own and its writer process's, the writer's also alone, PostgreSQL server
+processes read from /proc): wall-clock rates on a shared machine move
 with its load, CPU per event much less. Kafka is the broker in ``bus.*`` when ``bus.backend = "kafka"``, else a local Tansu
 broker; PostgreSQL is a temporary database on ``BENCH_PG_ADMIN_URL`` (default: the local server;
 not ``RTRL_``-prefixed, because the settings loader refuses unknown ``RTRL_*`` variables).
@@ -292,9 +293,11 @@ def _run(settings, quick: bool, log: Callable[[str], None], buses: tuple[str, ..
                     "backlog_fraction_of_ceiling": round(backlog / backlog_ceiling, 3),
                     "transactions": stats.transactions, "rows_ok": rows_ok,
                     # Load-independent view (backlog runs): CPU per event of the consumer-only pass,
-                    # of the ingester process, and of the PostgreSQL server (SQLite is in-process).
+                    # of the ingester's processes (its writer process's part also alone), and of the
+                    # PostgreSQL server (SQLite is in-process).
                     "ceiling_cpu_us_per_event": round(ceiling_cpu_us, 1),
                     "ingest_cpu_us_per_event": round(ingest_cpu_us, 1),
+                    "ingest_writer_cpu_us_per_event": round(cpu["writer"] / n * 1e6, 1),
                     "db_server_cpu_us_per_event": round(db_cpu_us, 1),
                     "cpu_fraction_of_ceiling": round(ceiling_cpu_us / (ingest_cpu_us + db_cpu_us), 3),
                 })
