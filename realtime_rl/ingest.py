@@ -218,11 +218,14 @@ class Ingester:
     def _gather(self, limit: int, floor: dict[tuple[str, int], int], busy: Future | None = None) -> list[Record]:
         """Up to ``limit`` records; once some arrived, waits up to ``batch_max_wait_ms`` for more. With
         ``busy`` (the transaction in flight) the wait lasts only while that runs, and a dry poll does
-        not end it: the wait is there to grow batches while the database is occupied anyway; once it
-        is idle, waiting only delays the rows (the last batch of a burst waited the whole 100 ms).
-        Then it takes what it has, unless the bus still has records and the batch is below
-        ``_first_batch``: a transaction costs milliseconds however small, so tiny batches beside a
-        fast commit would spend more on transactions than they save in latency."""
+        not end it while the batch is below ``_first_batch``: the wait is there to grow batches while
+        the database is occupied anyway; once it is idle, waiting only delays the rows (the last batch
+        of a burst waited the whole 100 ms). A batch of ``_first_batch`` or more ends at a dry poll:
+        its decoding then overlaps the transaction instead of following it (the last batch of a
+        burst was decoded only after the previous commit, ~70 ms added to the burst). Then it takes
+        what it has, unless the bus still has records and the batch is below ``_first_batch``: a
+        transaction costs milliseconds however small, so tiny batches beside a fast commit would spend
+        more on transactions than they save in latency."""
         records: list[Record] = []
         deadline: float | None = None
         timeout = self.cfg.poll_timeout_s
@@ -231,7 +234,7 @@ class Ingester:
             polled = self.consumer.poll(timeout_s=timeout, max_records=limit - len(records))
             # Anything below ``floor`` (a fetch that raced a rewind) was already taken care of.
             records.extend(r for r in polled if r.offset >= floor.get((r.topic, r.partition), 1 << 62))
-            if not polled and (busy is None or busy.done() or not records):
+            if not polled and (busy is None or busy.done() or not records or len(records) >= least):
                 break
             if deadline is None:
                 deadline = time.monotonic() + self.cfg.batch_max_wait_ms / 1000
