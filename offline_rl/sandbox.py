@@ -51,6 +51,7 @@ COMPILE_BEFORE_FORK_MAX = 16 << 10
 COMPILE_IN_ZYGOTE_MAX); larger ones are compiled by the child, under its limits."""
 PIPE_BYTES = 1 << 20  # asked-for size of each pipe to a zygote (fs.pipe-max-size allows 1 MiB by default)
 READ_BYTES = 1 << 16
+SETTLE_POLL_S = 0.05  # longest unlocked wait for a reply before the pipe is looked up again
 
 
 class SandboxError(RuntimeError):
@@ -303,11 +304,27 @@ class Sandbox:
             run.set_exception(err)
 
     def _settle(self, run: _Run) -> None:
-        with self._lock:
-            while not run.done():
+        while not run.done():
+            # Wait for the zygote's next bytes without the lock: a thread that waits here for one
+            # batch's verdicts must not hold up another that is submitting the next batch's programs
+            # to this zygote (a slow program keeps its reply away for up to wall_s). The read itself
+            # is under the lock, only once data is there; the timeout bounds a wait on a pipe that a
+            # recovery replaced meanwhile.
+            with self._lock:
+                if run.done():
+                    return
                 if self._proc is None:
                     run.set_exception(SandboxError("sandbox is closed"))
                     return
+                fd = self._from
+            # OSError / ValueError: a recovery or close() closed the fd meanwhile; look again under the lock.
+            with contextlib.suppress(OSError, ValueError):
+                select.select([fd], [], [], SETTLE_POLL_S)
+            with self._lock:
+                if run.done() or self._proc is None:
+                    continue
+                if fd != self._from or not select.select([fd], [], [], 0)[0]:
+                    continue  # another thread took what arrived, nothing yet, or a new zygote's pipe
                 try:
                     self._read_some()
                 except _ZygoteDied:

@@ -4,6 +4,7 @@ the replies only when a result is asked for; order, recovery and back-pressure."
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -74,3 +75,24 @@ def test_the_pool_sends_each_run_to_the_least_busy_zygote():
         runs = [pool.submit(program(k), "f", TESTS) for k in range(9)]
         assert [sb.in_flight for sb in pool.sandboxes] == [3, 3, 3]
         assert [r.result().values[1] for r in runs] == [1 + k for k in range(9)]
+
+
+def test_a_thread_waiting_for_a_verdict_does_not_hold_up_submissions_to_the_same_zygote():
+    # A rollout worker's delivery thread waits for one batch's verdicts while its main thread sends
+    # the next batch's programs: the wait must not keep the zygote's lock. The slow program spins
+    # until its per-test alarm (~1 s); before the fix a submission behind it waited just as long.
+    slow = "def f(x):\n    while True:\n        pass\n"
+    with Sandbox(SandboxSettings(wall_s=3.0, per_test_s=1.0, cpu_s=5)) as sb:
+        waiting = sb.submit(slow, "f", TESTS[:1])
+        verdicts: list = []
+        waiter = threading.Thread(target=lambda: verdicts.append(waiting.result()))
+        waiter.start()
+        time.sleep(0.3)  # the waiter is in result() by now, its program still spinning
+        assert not waiting.done()
+        t = time.monotonic()
+        quick = sb.submit(program(0), "f", TESTS)
+        submit_s = time.monotonic() - t
+        waiter.join(10)
+        assert quick.result().all_passed
+    assert submit_s < 0.5, submit_s
+    assert verdicts and verdicts[0].tests[0].status == "timeout"
