@@ -10,6 +10,7 @@ that does nothing. Every part is returned separately so the trainer logs each on
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,6 +40,12 @@ class RewardFunction:
     sandbox_cpu_s: float = 0.0
     """CPU seconds the sandbox spent on this function's runs so far (see RunResult.cpu_s): a rollout
     loop's own CPU clock misses them, and on a shared machine they compete with it."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """Guards the counters: a rollout worker scores one batch in a thread while the next is sampled."""
+
+    def count_run(self, run: RunResult) -> None:
+        with self._lock:
+            self.sandbox_cpu_s += run.cpu_s
 
     def combine(self, run: RunResult, well_formed: bool, judge_scores: dict[str, float]) -> tuple[float, dict]:
         parts = {"tests": run.pass_fraction, "compiles": float(run.compiled), "format": float(well_formed)}
@@ -62,7 +69,8 @@ class RewardFunction:
                 judge_scores = self.judge.score(task, expression or "")
             except JudgeError as e:
                 # A judge outage must not stop training: its parts score 0 and the error is counted.
-                self.judge_errors += 1
+                with self._lock:
+                    self.judge_errors += 1
                 err = str(e)
                 judge_scores = {d: 0.0 for d in self.judge.dimensions}
         total, parts = self.combine(run, well_formed and expression is not None, judge_scores)
@@ -88,6 +96,12 @@ class PendingRewards:
     def __init__(self, fn: RewardFunction):
         self.fn = fn
         self.runs: dict[tuple[str, str | None], Future[RunResult] | RunResult] = {}
+        self.sandbox_cpu_s = 0.0
+        """This batch's share of ``fn.sandbox_cpu_s`` (batches may be scored while others sample)."""
+
+    def _count(self, run: RunResult) -> None:
+        self.sandbox_cpu_s += run.cpu_s
+        self.fn.count_run(run)
 
     @staticmethod
     def _key(task: Task, expr: str | None) -> tuple[str, str | None]:
@@ -103,7 +117,7 @@ class PendingRewards:
             self.runs[key] = sandbox.submit(program_for(task, expr), task.entry_point, task.tests)
         else:
             run = self.runs[key] = score_expression(sandbox, task, expr)
-            self.fn.sandbox_cpu_s += run.cpu_s
+            self._count(run)
 
     def rewards(self, items: Sequence[tuple[Task, str | None, bool]]) -> list[Reward]:
         for task, expr, _ in items:
@@ -111,7 +125,7 @@ class PendingRewards:
         for key, run in self.runs.items():
             if isinstance(run, Future):
                 self.runs[key] = run = run.result()
-                self.fn.sandbox_cpu_s += run.cpu_s
+                self._count(run)
         out = []
         for task, expr, well_formed in items:
             run = self.runs[self._key(task, expr)]

@@ -9,7 +9,9 @@ in-process vLLM engine (run it inside a rollout worker process: in-process vLLM 
 :func:`run_episodes` plays G episodes per task (single- or multi-turn) and returns
 :class:`Trajectory` objects: the prompt ids, every later token (policy actions and tool
 observations, concatenated exactly as the policy saw them), a mask of the policy's own tokens, and
-the behaviour log-probs.
+the behaviour log-probs. It is :func:`play_episodes` (sampling; finished completions already
+running in the sandbox) followed by :func:`assign_rewards` (waiting for their verdicts), which a
+rollout worker may run apart: one batch scored while the next is sampled.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from offline_rl.env import CodingEnv
-from offline_rl.rewards import RewardFunction
+from offline_rl.rewards import PendingRewards, RewardFunction
 from offline_rl.tasks import Task
 from policy.sampling import FINISH_STOP, Sample, SamplingParams, generate_ids
 
@@ -129,6 +131,25 @@ def run_episodes(backend: RolloutBackend, tokenizer, env: CodingEnv, tasks: Sequ
     Trajectories come back grouped: task 0's G episodes first, then task 1's, ... When ``reward_fn``
     is given, every trajectory's reward, parts and pass flag are filled in; a completion that ends its
     episode starts its sandbox run the moment its row finishes, overlapping scoring with decoding."""
+    trajs, pending = play_episodes(backend, tokenizer, env, tasks, group_size, temperature, max_new_tokens,
+                                   seed=seed, reward_fn=reward_fn)
+    if pending is not None:
+        assign_rewards(trajs, pending)
+    return trajs
+
+
+def assign_rewards(trajs: Sequence[Trajectory], pending: PendingRewards) -> None:
+    """Wait for the sandbox verdicts of ``play_episodes``' batch and fill in each trajectory's reward."""
+    rewards = pending.rewards([(t.task, t.submission, t.well_formed) for t in trajs])
+    for t, r in zip(trajs, rewards, strict=True):
+        t.reward, t.parts, t.passed = r.total, r.parts, r.passed
+
+
+def play_episodes(backend: RolloutBackend, tokenizer, env: CodingEnv, tasks: Sequence[Task], group_size: int,
+                  temperature: float, max_new_tokens: int, seed: int | None = None,
+                  reward_fn: RewardFunction | None = None) -> tuple[list[Trajectory], PendingRewards | None]:
+    """The sampling half of :func:`run_episodes`: the trajectories without rewards, and (with
+    ``reward_fn``) the batch's sandbox runs, started as each completion finished."""
     pending = reward_fn.pending() if reward_fn is not None else None
     states, trajs = [], []
     encoded: dict[str, list[int]] = {}  # a group's G episodes start from one context: encode it once
@@ -175,8 +196,4 @@ def run_episodes(backend: RolloutBackend, tokenizer, env: CodingEnv, tasks: Sequ
             still.append(i)
         live = still
         turn += 1
-    if pending is not None:
-        rewards = pending.rewards([(t.task, t.submission, t.well_formed) for t in trajs])
-        for t, r in zip(trajs, rewards, strict=True):
-            t.reward, t.parts, t.passed = r.total, r.parts, r.passed
-    return trajs
+    return trajs, pending

@@ -15,13 +15,25 @@ trainer frees the slot when it takes the batch. Without it a worker finishes a b
 for the trainer holding data that ages while it waits, and the trainer drops it as
 stale (measured: 12 of 50 batches with a queue of two). With one slot the worker samples batch k+1
 while the trainer trains on batch k, so staleness is exactly 1 and no rollout compute is wasted.
+
+Scoring beside sampling: a batch's last completions finish together, and their sandbox verdicts
+take a few milliseconds more (~7.5 ms of a ~150 ms step here) during which the worker would only
+wait. When the trainer is already waiting for that batch (``trainer_waiting``), it has published
+every version it can before the batch arrives, so the worker starts sampling batch k+1 at once, on
+the weights it would have picked up after delivering k, and a second thread of the worker collects
+batch k's verdicts and sends it. Batch k+1 takes its slot before it is sent instead of before it
+is sampled, so at most ``queue_size`` batches still wait for the trainer, and none is staler than
+without the overlap. When the trainer is busy the worker scores and sends as before.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import random
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
@@ -59,8 +71,53 @@ def sample_tasks(tasks, n: int, rng: random.Random):
     return [tasks[rng.randrange(len(tasks))] for _ in range(n)]
 
 
+class _Deliveries:
+    """A rollout worker's second thread: finishes batches (waits for their sandbox verdicts) and
+    sends them, in the order they were handed over. A failure is kept and raised by :meth:`check`."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.jobs: queue.Queue[Callable[[], RolloutBatch] | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="rollout-delivery", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                if self.error is None:
+                    # Pickled and written here, not by a queue's feeder thread: that extra hop cost
+                    # 3-5 ms per batch on the critical path while both cores were busy (handoff_s).
+                    # The write cannot block for long: the batch holds a slot, so the trainer reads
+                    # it; if the trainer dies the pipe breaks and the write fails.
+                    self.out.send(job())
+            except BaseException as err:  # noqa: BLE001 - raised in the worker's main thread by check()
+                self.error = err
+            finally:
+                self.jobs.task_done()
+
+    def put(self, job: Callable[[], RolloutBatch]) -> None:
+        self.jobs.put(job)
+
+    def drain(self) -> None:
+        """Wait until every batch handed over has been sent (or failed)."""
+        self.jobs.join()
+        self.check()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout)
+
+
 def _worker_main(cfg: WorkerConfig, tasks, shared: dict, live: list[str], version, lock, out, stop,
-                 slots) -> None:
+                 slots, trainer_waiting) -> None:
     """Entry point of a rollout worker process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -70,7 +127,7 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, live: list[str], versio
     from offline_rl.env import CodingEnv
     from offline_rl.judge import make_judge
     from offline_rl.rewards import RewardFunction
-    from offline_rl.rollout import TorchBackend, VLLMBackend, run_episodes
+    from offline_rl.rollout import TorchBackend, VLLMBackend, assign_rewards, play_episodes
     from offline_rl.sandbox import SandboxPool
     from policy.loading import load_policy, load_tokenizer
 
@@ -94,11 +151,20 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, live: list[str], versio
         # The trainer was killed (SIGKILL runs no cleanup): do not outlive it.
         return os.getppid() != parent
 
+    def take_slot() -> bool:
+        while not slots.acquire(timeout=0.2):
+            if stop.is_set() or orphaned():
+                return False
+        return True
+
+    deliveries = _Deliveries(out)
+    early = False  # the batch about to be sampled starts before it holds a slot (module docstring)
     try:
         waiting_since = time.monotonic()
         while not stop.is_set() and not orphaned():
-            if not slots.acquire(timeout=0.2):
-                continue
+            deliveries.check()
+            if not early and not take_slot():
+                break
             # Per-phase times travel with the batch so the trainer's metrics show where a step went:
             # slot_wait_s is this worker idle (the trainer is the bottleneck), sync_s the weight pickup.
             t_slot = time.monotonic()
@@ -112,26 +178,40 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, live: list[str], versio
                 backend.load_weights(snapshot, v)
                 local = v
             t_synced = time.monotonic()
-            t0, c0, sb0 = time.perf_counter(), time.process_time(), reward_fn.sandbox_cpu_s
+            # Thread CPU, not process CPU: the delivery thread's work for the previous batch runs
+            # meanwhile and is counted with that batch.
+            t0, c0 = time.perf_counter(), time.thread_time()
             batch_tasks = sample_tasks(tasks, cfg.prompts_per_batch, rng)
-            trajs = run_episodes(backend, tok, env, batch_tasks, cfg.group_size, cfg.temperature,
-                                 cfg.max_new_tokens, seed=rng.randrange(1 << 30), reward_fn=reward_fn)
-            batch = RolloutBatch(version=local, trajectories=trajs, gen_s=time.perf_counter() - t0,
-                                 worker=cfg.worker_id, tokens=sum(t.n_policy_tokens for t in trajs),
-                                 info={"cpu_s": time.process_time() - c0,
-                                       "sandbox_cpu_s": reward_fn.sandbox_cpu_s - sb0,
-                                       "slot_wait_s": t_slot - waiting_since,
-                                       "sync_s": t_synced - t_slot,
-                                       "ready_at": time.monotonic()})
-            # Pickled and written here, not by a queue's feeder thread: that extra thread hop cost
-            # 3-5 ms per batch on the critical path while both cores were busy (handoff_s). The write
-            # cannot block for long: this worker holds a slot, so the trainer reads it; if the trainer
-            # dies the pipe breaks and the write fails.
-            out.send(batch)
+            trajs, pending = play_episodes(backend, tok, env, batch_tasks, cfg.group_size, cfg.temperature,
+                                           cfg.max_new_tokens, seed=rng.randrange(1 << 30), reward_fn=reward_fn)
+            sample_cpu_s = time.thread_time() - c0
+            slot_wait_s, started_early = t_slot - waiting_since, early
+            if early:
+                t_wait = time.monotonic()
+                if not take_slot():
+                    break
+                slot_wait_s += time.monotonic() - t_wait
+            info = {"slot_wait_s": slot_wait_s, "sync_s": t_synced - t_slot, "started_early": started_early}
+
+            def finish(trajs=trajs, pending=pending, v=local, t0=t0, sample_cpu_s=sample_cpu_s,
+                       info=info) -> RolloutBatch:
+                c = time.thread_time()
+                assign_rewards(trajs, pending)
+                info.update(cpu_s=sample_cpu_s + time.thread_time() - c, sandbox_cpu_s=pending.sandbox_cpu_s,
+                            ready_at=time.monotonic())
+                return RolloutBatch(version=v, trajectories=trajs, gen_s=time.perf_counter() - t0,
+                                    worker=cfg.worker_id, tokens=sum(t.n_policy_tokens for t in trajs), info=info)
+
+            deliveries.put(finish)
+            early = bool(trainer_waiting.value)
+            if not early:
+                deliveries.drain()
             waiting_since = time.monotonic()
+        deliveries.drain()
     except (BrokenPipeError, EOFError):
         pass  # the trainer went away: nothing left to deliver to
     finally:
+        deliveries.close()
         sandbox.close()
         out.close()
 
@@ -152,6 +232,9 @@ class AsyncRollouts:
         self.version = ctx.Value("l", version)
         self.lock = ctx.Lock()
         self.slots = ctx.Semaphore(queue_size)
+        # Set while get() waits: a worker that sees it may sample its next batch while it scores this
+        # one (module docstring). One byte, written only here: no lock needed.
+        self.trainer_waiting = ctx.RawValue("b", 0)
         self.stop_event = ctx.Event()
         self.procs = []
         self.conns: list = []  # read ends, one per worker, in the order get() serves them
@@ -160,7 +243,8 @@ class AsyncRollouts:
         for cfg in worker_cfgs:
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker_main, args=(cfg, tasks, self.shared, self.live, self.version, self.lock,
-                                                       writer, self.stop_event, self.slots), daemon=True)
+                                                       writer, self.stop_event, self.slots, self.trainer_waiting),
+                          daemon=True)
             p.start()
             # Only the worker may hold the write end, so that its exit reads as end-of-file here.
             writer.close()
@@ -180,6 +264,13 @@ class AsyncRollouts:
 
     def get(self, timeout: float = 600.0) -> RolloutBatch:
         deadline = time.monotonic() + timeout
+        self.trainer_waiting.value = 1
+        try:
+            return self._get(deadline)
+        finally:
+            self.trainer_waiting.value = 0
+
+    def _get(self, deadline: float) -> RolloutBatch:
         while True:
             ready = wait(self.conns, timeout=1.0)
             if ready:

@@ -56,3 +56,29 @@ def test_a_killed_worker_is_reported_instead_of_waited_for(tiny_model_dir):
             rollouts.get(timeout=60)
     finally:
         rollouts.close()
+
+
+def test_a_waiting_trainer_lets_the_worker_sample_ahead_and_a_busy_one_keeps_the_slot_bound(tiny_model_dir):
+    rollouts = start(tiny_model_dir, workers=1, queue_size=1)
+    model = load_policy(tiny_model_dir).model
+    try:
+        # A trainer always waiting in get(): each batch after the first is started while the one
+        # before it is still being scored and sent, and every batch arrives whole, in order.
+        batches = []
+        for v in range(1, 7):
+            batches.append(rollouts.get(timeout=120))
+            rollouts.publish(model, v)
+        # A busy trainer: nobody takes a batch for 2 s. With one slot one batch waits and the
+        # worker waits too, instead of sampling another (which would be staler still).
+        time.sleep(2.0)
+        parked = rollouts.get(timeout=60)
+        after = rollouts.get(timeout=60)
+    finally:
+        rollouts.close()
+    assert sum(b.info["started_early"] for b in batches[1:]) >= 3
+    for b in [*batches, parked, after]:
+        assert len(b.trajectories) == 2 and b.info["sandbox_cpu_s"] >= 0 and b.info["cpu_s"] > 0
+        assert all(t.parts for t in b.trajectories)  # rewards assigned before the batch was sent
+    versions = [b.version for b in [*batches, parked, after]]
+    assert versions == sorted(versions)
+    assert not after.info["started_early"] and after.info["slot_wait_s"] > 1.0
