@@ -8,6 +8,12 @@ sides do a backward pass on (nearly) every batch; the reward keeps its shaping p
 checkpointing off (ours does not checkpoint either); generation stops at the newline token on both
 sides. Both train the same parameters (``grpo.trainable``). sec/step is the steady state: the first
 step (worker start-up, first forward) is excluded.
+
+Sync and async (one worker) run in alternating rounds (``ROUNDS``: sync, async, sync, async, ...),
+each round a fresh run from the same warm-up, and each mode's sec/step is pooled over its rounds.
+On a shared VM the host's speed drifts by 20% within minutes (the same async configuration
+measured 0.144 and 0.173 s/step a few minutes apart); back-to-back phases let such a drift land on
+one mode only, alternating rounds spread it over both. The per-round ratios are reported too.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from rtrl.config import Settings
 PROMPTS, GROUP, MAX_TOKENS = 4, 8, 32
 ASYNC_WORKERS = (1, 2)
 """Async is measured with one and with two rollout workers; the headline is the faster (named)."""
+ROUNDS = 3
+"""Alternating sync / async (one worker) rounds; two workers run once, after them."""
 
 
 def _steady_sec_per_step(times: list[float]) -> float:
@@ -34,12 +42,12 @@ def _steady_sec_per_step(times: list[float]) -> float:
 
 
 def _ours(settings: Settings, init_dir: Path, work: Path, mode: str, steps: int, log,
-          workers: int = 1) -> dict[str, Any]:
+          workers: int = 1, tag: str = "") -> dict[str, Any]:
     from offline_rl.grpo import run_grpo
 
     s = settings.model_copy(deep=True)
     g = s.grpo
-    g.out_dir, g.mode, g.steps = str(work / f"ours-{mode}-{workers}"), mode, steps
+    g.out_dir, g.mode, g.steps = str(work / f"ours-{mode}-{workers}{tag}"), mode, steps
     g.prompts_per_step, g.group_size, g.max_new_tokens = PROMPTS, GROUP, MAX_TOKENS
     g.eval_every, g.checkpoint_every, g.publish, g.warmup_steps, g.kl_coef = 0, 10_000, False, 0, 0.0
     # Each worker keeps one batch in flight, so with W workers a batch is about W versions old when
@@ -56,7 +64,8 @@ def _ours(settings: Settings, init_dir: Path, work: Path, mode: str, steps: int,
     out = {"sec_per_step": sps, "tokens_per_s": tokens / sps, "steps": len(recs), "wall_s": wall,
            "updated_fraction": sum(bool(r.get("updated")) for r in recs) / len(recs),
            "mean_staleness": sum(r["staleness"] for r in recs) / len(recs), "dropped_stale": res.dropped_stale,
-           "mean_reward": sum(r["reward_mean"] for r in recs) / len(recs)}
+           "mean_reward": sum(r["reward_mean"] for r in recs) / len(recs),
+           "steady_steps": len(recs) - 1, "steady_s": times[-1] - times[0], "steady_tokens": tokens * (len(recs) - 1)}
     # Where a step's time went (means over the steady steps; see offline_rl/grpo.py for each key), and
     # the CPU it cost all processes: with both modes' work on this machine's cores, that CPU over
     # the core count is the least sec/step any overlap of rollouts and training could reach.
@@ -72,6 +81,31 @@ def _ours(settings: Settings, init_dir: Path, work: Path, mode: str, steps: int,
         f"staleness {out['mean_staleness']:.2f}, dropped {res.dropped_stale}, CPU {cpu:.3f} s/step "
         f"(floor {out['cpu_floor_sec_per_step']:.3f} s/step on {os.cpu_count()} cores)")
     return out
+
+
+def _pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's rounds as one measurement: sec/step over all their steady steps, phases and CPU
+    weighted by steady steps, staleness and updates by all steps."""
+    if len(rounds) == 1:
+        return rounds[0]
+    n = sum(r["steady_steps"] for r in rounds)
+    steps = sum(r["steps"] for r in rounds)
+    sps = sum(r["steady_s"] for r in rounds) / n
+
+    def by_steady(key: str) -> float:
+        return sum(r[key] * r["steady_steps"] for r in rounds) / n
+
+    def by_step(key: str) -> float:
+        return sum(r[key] * r["steps"] for r in rounds) / steps
+
+    return {"sec_per_step": sps, "tokens_per_s": sum(r["steady_tokens"] for r in rounds) / n / sps,
+            "steps": steps, "wall_s": sum(r["wall_s"] for r in rounds),
+            "updated_fraction": by_step("updated_fraction"), "mean_staleness": by_step("mean_staleness"),
+            "dropped_stale": sum(r["dropped_stale"] for r in rounds), "mean_reward": by_step("mean_reward"),
+            "phases": {k: round(sum(r["phases"][k] * r["steady_steps"] for r in rounds) / n, 4)
+                       for k in rounds[0]["phases"]},
+            "cpu_s_per_step": round(by_steady("cpu_s_per_step"), 4),
+            "cpu_floor_sec_per_step": round(by_steady("cpu_floor_sec_per_step"), 4)}
 
 
 def _trl(settings: Settings, init_dir: Path, work: Path, steps: int, log) -> dict[str, Any]:
@@ -160,7 +194,8 @@ def run(settings: Settings, quick: bool, log) -> dict[str, Any]:
     # 24 steps, not 12: one step of ours is ~0.1 s, so 12 steps were about a second of steady state,
     # and one burst of load from another process moved sec/step by 10-30% (sync 0.129-0.167 s on
     # an otherwise idle machine). Longer runs average such bursts out for every mode alike.
-    steps = 5 if quick else 24
+    rounds = 1 if quick else ROUNDS
+    steps = 5 if quick else 1 + 24 // rounds  # per round: one start-up step, then the steady ones
     trl_steps = 4 if quick else 8
     with tempfile.TemporaryDirectory(prefix="bench-grpo-") as tmp:
         work = Path(tmp)
@@ -173,8 +208,14 @@ def run(settings: Settings, quick: bool, log) -> dict[str, Any]:
         s.midtrain.steps, s.midtrain.warmup_steps, s.midtrain.eval_at_end = (30 if quick else 120), 10, False
         log(f"warm-up: {s.midtrain.steps} mid-training steps")
         init = run_midtrain(s, init_dir=base, out_dir=work / "warm", progress=False)
-        sync = _ours(settings, init, work, "sync", steps, log)
-        by_workers = {w: _ours(settings, init, work, "async", steps + 2 * w, log, workers=w) for w in ASYNC_WORKERS}
+        sync_rounds, async_rounds = [], []
+        for k in range(rounds):
+            sync_rounds.append(_ours(settings, init, work, "sync", steps, log, tag=f"-r{k}"))
+            async_rounds.append(_ours(settings, init, work, "async", steps + 2, log, tag=f"-r{k}"))
+        sync = _pooled(sync_rounds)
+        by_workers = {1: _pooled(async_rounds)}
+        for w in ASYNC_WORKERS[1:]:
+            by_workers[w] = _ours(settings, init, work, "async", rounds * (steps - 1) + 1 + 2 * w, log, workers=w)
         best_w = min(by_workers, key=lambda w: by_workers[w]["sec_per_step"])
         asyn = by_workers[best_w]
         trl = _trl(settings, init, work, trl_steps, log)
@@ -188,6 +229,9 @@ def run(settings: Settings, quick: bool, log) -> dict[str, Any]:
         "ratio_vs_trl": round(trl["sec_per_step"] / min(sync["sec_per_step"], asyn["sec_per_step"]), 3),
         "sync_vs_trl": round(trl["sec_per_step"] / sync["sec_per_step"], 3),
         "async_over_sync": round(sync["sec_per_step"] / asyn["sec_per_step"], 3),
+        "async_over_sync_by_round": [round(sr["sec_per_step"] / ar["sec_per_step"], 3)
+                                     for sr, ar in zip(sync_rounds, async_rounds, strict=True)],
+        "rounds": rounds,
         "async_mean_staleness": round(asyn["mean_staleness"], 3),
         "async_dropped_stale": asyn["dropped_stale"],
         "ours_updated_fraction": round(min(sync["updated_fraction"], asyn["updated_fraction"]), 3),

@@ -33,3 +33,27 @@ def test_quick_bench_prints_the_comparison(tmp_path, tiny_model_dir):
     assert {"gen_cpu_s", "train_cpu_s", "sandbox_cpu_s"} <= out["sync_phases"].keys()
     assert out["async_cpu_s_per_step"] > out["async_phases"]["train_cpu_s"] > 0
     assert out["async_cpu_floor_sec_per_step"] == pytest.approx(out["async_cpu_s_per_step"] / out["cpu_count"], abs=1e-3)
+    assert out["rounds"] == 1 and len(out["async_over_sync_by_round"]) == 1
+
+
+def test_rounds_pool_into_one_measurement():
+    """Alternating rounds of one mode combine as one run over all their steady steps: a slow round
+    weighs by its steps, not as one vote among rounds."""
+    from offline_rl.bench_grpo import _pooled
+
+    def round_(steady_steps: int, steady_s: float, staleness: float) -> dict:
+        return {"sec_per_step": steady_s / steady_steps, "steady_steps": steady_steps, "steady_s": steady_s,
+                "steady_tokens": 100.0 * steady_steps, "steps": steady_steps + 1, "wall_s": steady_s + 2,
+                "updated_fraction": 1.0, "mean_staleness": staleness, "dropped_stale": 1, "mean_reward": 0.5,
+                "phases": {"gen_s": steady_s / steady_steps / 2}, "cpu_s_per_step": 0.2 * steady_s / steady_steps,
+                "cpu_floor_sec_per_step": 0.1 * steady_s / steady_steps}
+
+    pooled = _pooled([round_(8, 1.6, 1.0), round_(2, 0.8, 0.0)])
+    assert pooled["sec_per_step"] == pytest.approx(2.4 / 10)
+    assert pooled["tokens_per_s"] == pytest.approx(1000 / 2.4)
+    assert pooled["steps"] == 12 and pooled["dropped_stale"] == 2 and pooled["wall_s"] == pytest.approx(6.4)
+    assert pooled["mean_staleness"] == pytest.approx(9 / 12)
+    assert pooled["phases"]["gen_s"] == pytest.approx(0.12, abs=1e-4)
+    assert pooled["cpu_s_per_step"] == pytest.approx(0.2 * 2.4 / 10, abs=1e-4)
+    single = round_(4, 1.0, 0.5)
+    assert _pooled([single]) is single
