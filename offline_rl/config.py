@@ -36,6 +36,10 @@ class MidtrainSettings(Section):
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
     seed: int = Field(1, description="Corpus and shuffling seed (the tokenizer's corpus used seed 0).")
     eval_at_end: bool = Field(True, description="Report held-out pass@1 of the result.")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads for the training loop; unset: "
+                                "one per core. Mid-training runs alone and its batches split well across "
+                                "cores (2-core machine: 40 steps 31 s on one thread, 20 s on two, same loss), "
+                                "unlike the small per-process work model.threads is tuned for.")
 
 
 class GRPOSettings(Section):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -86,7 +87,9 @@ def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir
     from policy.loading import load_policy
 
     cfg = settings.midtrain
-    torch.set_num_threads(settings.model.threads)
+    caller_threads = torch.get_num_threads()
+    threads = cfg.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     policy = load_policy(init_dir or settings.model.dir, "float32", settings.model.device)
     model, tok = policy.model, policy.tokenizer
@@ -111,12 +114,15 @@ def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir
             on_step(step + 1, model)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
+    # Evaluation samples in small batches next to the sandbox's processes: model.threads, as everywhere else.
+    torch.set_num_threads(settings.model.threads)
     model.eval()
     out = Path(out_dir or cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     summary = {"steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "train_s": time.perf_counter() - t0,
+               "threads": threads,
                "loss_first": losses[0], "loss_last": sum(losses[-10:]) / len(losses[-10:]), "init_dir": str(policy.model_dir)}
     if cfg.eval_at_end:
         from offline_rl.evaluate import evaluate
@@ -133,4 +139,5 @@ def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir
     if log:
         log(f"midtrain: {cfg.steps} steps in {summary['train_s']:.0f}s, loss {summary['loss_first']:.3f} -> "
             f"{summary['loss_last']:.3f}; saved {out}")
+    torch.set_num_threads(caller_threads)
     return out

@@ -20,6 +20,7 @@ This module only orchestrates: every computation happens in the package that own
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -388,14 +389,20 @@ def _timed(state: DemoState, stage: str, outputs: dict[str, Any]):
 
 
 def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, from_production: bool = False,
-             log: Callable[[str], None] = print, summary_to_stderr: bool = False) -> dict[str, Any]:
-    """Run (or resume) the lifecycle; returns the summary that ``--json`` prints."""
+             releases: int | None = None, log: Callable[[str], None] = print,
+             summary_to_stderr: bool = False) -> dict[str, Any]:
+    """Run (or resume) the lifecycle; returns the summary that ``--json`` prints. ``releases``: end the
+    online stage after this many real-time releases instead of the plan's."""
     import torch
 
     from rtrl.report import print_summary, write_report
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     plan = DemoPlan.for_mode(fast)
+    if releases is not None:
+        if releases < 1:
+            raise DemoError(f"--releases must be at least 1, got {releases}")
+        plan = dataclasses.replace(plan, releases=releases)
     s = demo_settings(settings, plan)
     torch.set_num_threads(s.model.threads)
     state = DemoState(Path(s.var_dir) / "demo" / "state.json")
@@ -478,6 +485,8 @@ def register(app: typer.Typer) -> None:
                                      "(var/ contents are reused where they are valid)."),
         from_production: bool = typer.Option(False, "--from-production", help="Skip the offline stages: start "
                                              "the online stage from the registry's production version."),
+        releases: int | None = typer.Option(None, "--releases", min=1, help="End the online stage after this "
+                                            "many real-time releases (default: 2 with --fast, else 3)."),
         as_json: bool = typer.Option(False, "--json", help="End with one JSON line summarising the run."),
         config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
     ) -> None:
@@ -488,7 +497,7 @@ def register(app: typer.Typer) -> None:
         settings = settings_or_exit(config)
         try:
             summary = run_demo(settings, fast=fast, restart=restart, from_production=from_production,
-                               log=lambda m: typer.echo(m, err=as_json), summary_to_stderr=as_json)
+                               releases=releases, log=lambda m: typer.echo(m, err=as_json), summary_to_stderr=as_json)
         except DemoError as err:
             typer.echo(f"demo stopped: {err}", err=True)
             raise typer.Exit(1) from None

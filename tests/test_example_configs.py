@@ -43,8 +43,9 @@ def test_postgres_kafka_config_runs_the_online_lifecycle(demo_run, postgres_url,
            "RTRL_BUS__BOOTSTRAP_SERVERS": kafka_bootstrap, "RTRL_DB__URL": postgres_url,
            "RTRL_REGISTRY__URL": str(work / "registry")}
     env.pop("RTRL_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-m", "rtrl", "demo", "--fast", "--from-production", "--json",
-                           "-c", str(ROOT / "examples" / "postgres-kafka.toml")],
+    # One release proves the path through Kafka and PostgreSQL; the demo test covers two on the defaults.
+    proc = subprocess.run([sys.executable, "-m", "rtrl", "demo", "--fast", "--from-production", "--releases", "1",
+                           "--json", "-c", str(ROOT / "examples" / "postgres-kafka.toml")],
                           cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -52,3 +52,23 @@ def test_midtrain_cli_saves_a_loadable_model(tiny_model_dir, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "rtrl", "midtrain", "--init", str(tmp_path / "none"),
                               "--steps", "1"], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_training_loop_uses_its_own_threads_and_gives_the_callers_back(tiny_model_dir, tmp_path):
+    import torch
+
+    from offline_rl.midtrain import run_midtrain
+    from rtrl.config import load_settings
+
+    torch.set_num_threads(1)
+    cores = len(os.sched_getaffinity(0))
+    for threads, expected in ((None, cores), (3, 3)):
+        settings = load_settings(var_dir=str(tmp_path / "var"), model={"dir": str(tiny_model_dir), "threads": 1},
+                                 midtrain={"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_at_end": False,
+                                           "threads": threads})
+        seen: list[int] = []
+        out = run_midtrain(settings, out_dir=tmp_path / f"mid-{threads}", progress=False,
+                           on_step=lambda step, model: seen.append(torch.get_num_threads()))
+        assert seen == [expected, expected]
+        assert json.loads((out / "midtrain.json").read_text())["threads"] == expected
+        assert torch.get_num_threads() == 1  # the caller's setting, restored
