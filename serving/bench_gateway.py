@@ -32,6 +32,10 @@ Content-Length body); ``httpx`` is measured beside it, because a general-purpose
    uvicorn options and event loop, which awaits the direct p50 latency before answering, minus an await
    of that length timed on the loop. No gateway can cost less than that on this host: on a VM whose
    idle vCPU returns with cold caches, even this path costs several times what it does back to back.
+   Two more floors say where it comes from: ``http_floor_bare_*``, the same wait behind a bare asyncio
+   protocol (no HTTP library, no ASGI: what any Python server on this loop must cost), and
+   ``http_floor_warm_*``, the uvicorn app answering at once (nothing idles between request and
+   response, so the difference from ``http_floor_*`` is the host's price for waking up).
 2. **Throughput.** ``concurrency`` raw clients for a fixed time: requests/s and latency through the
    gateway, next to the same load run directly on the engine (``concurrency`` threads).
 3. **Swaps under load.** ``concurrency`` clients run while the served directory (a symlink) is
@@ -176,7 +180,13 @@ def _client_main(url: str, key: str, conn) -> None:
                 if floor is not None:
                     floor.close()
                 return
-            if cmd[0] == "floor":  # ("floor", url, body): the do-nothing server of the floor phase
+            if cmd[0] == "floor-close":  # the floor phase's server is going away
+                if floor is not None:
+                    floor.close()
+                    floor = None
+                conn.send("closed")
+                continue
+            if cmd[0] == "floor":  # ("floor", url, body): the do-nothing server of a floor phase
                 floor = floor or RawHTTP(cmd[1], key)
                 t0 = time.perf_counter()
                 status, _, _ = floor.post("/", cmd[2])
@@ -230,11 +240,44 @@ def _client_main(url: str, key: str, conn) -> None:
             conn.send((lat, errors, time.perf_counter() - t0))
 
 
-def _floor(engine, host: str, conn, delay_s: float, n: int, body: dict) -> list[float]:
-    """Per request, what HTTP alone adds (ms): the do-nothing app (:func:`_floor_app`, awaiting
-    ``delay_s``) served by uvicorn on the gateway's event loop (the engine's, when it has one), called by
-    the benchmark's raw client, minus an await of the same ``delay_s`` timed on that loop; pairs in
-    alternating order, as in the overhead phase."""
+class _BareHTTP(asyncio.Protocol):
+    """The least an HTTP server on this event loop can do: no framework, no ASGI, no parser library.
+    Finds the end of the head and the Content-Length, waits ``delay_s`` on the loop's timer (standing
+    in for generation, as :func:`_floor_app` does) and writes a fixed response."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s, self.buf, self.transport = delay_s, b"", None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        length = 0
+        for line in self.buf[:end].split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if len(self.buf) < end + 4 + length:
+            return
+        self.buf = self.buf[end + 4 + length:]
+        asyncio.get_running_loop().call_later(self.delay_s, self.reply)
+
+    def reply(self) -> None:
+        body = b'{"ok":true}'
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(body), body))
+
+
+def _floor(engine, host: str, conn, delay_s: float, n: int, body: dict, server_kind: str = "uvicorn") -> list[float]:
+    """Per request, what HTTP alone adds (ms): a do-nothing server that waits ``delay_s`` before answering,
+    on the gateway's event loop (the engine's, when it has one), called by the benchmark's raw client,
+    minus an await of the same ``delay_s`` timed on that loop; pairs in alternating order, as in the
+    overhead phase. ``server_kind``: ``"uvicorn"`` (:func:`_floor_app` on the gateway's uvicorn
+    options) or ``"bare"`` (:class:`_BareHTTP`, an asyncio protocol with no HTTP stack at all)."""
     import uvicorn
 
     from serving.engines.torch_process import new_event_loop
@@ -246,12 +289,16 @@ def _floor(engine, host: str, conn, delay_s: float, n: int, body: dict) -> list[
         own = loop = new_event_loop()
         threading.Thread(target=loop.run_forever, name="bench-floor-loop", daemon=True).start()
     port = _free_port(host)
-    server = uvicorn.Server(uvicorn.Config(_floor_app(delay_s), host=host, port=port, log_level="warning",
-                                           access_log=False, lifespan="off", **uvicorn_options()))
-    done = start_server(server, loop)
+    if server_kind == "bare":
+        bare = asyncio.run_coroutine_threadsafe(
+            loop.create_server(lambda: _BareHTTP(delay_s), host, port), loop).result(30)
+    else:
+        server = uvicorn.Server(uvicorn.Config(_floor_app(delay_s), host=host, port=port, log_level="warning",
+                                               access_log=False, lifespan="off", **uvicorn_options()))
+        done = start_server(server, loop)
     try:
         deadline = time.monotonic() + 30
-        while not server.started:
+        while server_kind != "bare" and not server.started:
             if done.done() or time.monotonic() > deadline:
                 raise RuntimeError(f"the floor server did not start: {done.exception() if done.done() else 'timeout'}")
             time.sleep(0.01)
@@ -278,8 +325,14 @@ def _floor(engine, host: str, conn, delay_s: float, n: int, body: dict) -> list[
                 out.append(got["http"] - got["await"])
         return out
     finally:
-        server.should_exit = True
-        done.result(30)
+        conn.send(("floor-close",))
+        conn.recv()
+        if server_kind == "bare":
+            bare.close()
+            asyncio.run_coroutine_threadsafe(bare.wait_closed(), loop).result(30)
+        else:
+            server.should_exit = True
+            done.result(30)
         if own is not None:
             own.call_soon_threadsafe(own.stop)
 
@@ -293,6 +346,7 @@ def run(settings, quick: bool, log) -> dict:
 
     max_tokens = 8
     n_paired = 60 if quick else 300
+    n_floor_extra = n_paired // 2
     duration_s = 3.0 if quick else 10.0
     concurrency = 4 if quick else 8
     work = Path(tempfile.mkdtemp(prefix="rtrl-bench-gateway-"))
@@ -406,10 +460,15 @@ def run(settings, quick: bool, log) -> dict:
                     over[k] = [o + shift for o in over[k]]
                 gen_diff = gen_diffs["raw"]
                 overhead = over["raw"]
-                floor = _floor(engine, s.serving.host, parent_conn, _pct(paired["direct"], .5) / 1000, n_paired,
-                               body(0))
+                direct_s = _pct(paired["direct"], .5) / 1000
+                floor = _floor(engine, s.serving.host, parent_conn, direct_s, n_paired, body(0))
+                # Where the floor comes from: the same wait with no HTTP stack at all, and the same
+                # server answering at once (so neither side's CPU idles between request and response).
+                floor_bare = _floor(engine, s.serving.host, parent_conn, direct_s, n_floor_extra, body(0), "bare")
+                floor_warm = _floor(engine, s.serving.host, parent_conn, 0.0, n_floor_extra, body(0))
                 log(f"HTTP floor (a do-nothing app on the same server and client) p50 {_pct(floor, .5):.3f} ms, "
-                    f"p99 {_pct(floor, .99):.3f} ms")
+                    f"p99 {_pct(floor, .99):.3f} ms; with no HTTP stack (a bare asyncio protocol) p50 "
+                    f"{_pct(floor_bare, .5):.3f} ms; the same app answering at once p50 {_pct(floor_warm, .5):.3f} ms")
                 log(f"overhead p50 {_pct(overhead, .5):.3f} ms, p99 {_pct(overhead, .99):.3f} ms (httpx client: p50 "
                     f"{_pct(over['httpx'], .5):.3f}, p99 {_pct(over['httpx'], .99):.3f}; uncorrected p50 "
                     f"{_pct(uncorrected['raw'], .5):.3f}, p99 {_pct(uncorrected['raw'], .99):.3f}; in-handler p50 "
@@ -497,6 +556,17 @@ def run(settings, quick: bool, log) -> dict:
             "http_floor_method": "the same raw client against a do-nothing ASGI app on the same uvicorn options "
                                  "and event loop that awaits the direct p50 latency, minus that await timed on "
                                  "the loop: what HTTP and the client cost on this host, below the gateway",
+            "http_floor_bare_p50_ms": round(_pct(floor_bare, .5), 3),
+            "http_floor_bare_p99_ms": round(_pct(floor_bare, .99), 3),
+            "http_floor_bare_method": "as http_floor, against an asyncio protocol on the same loop that finds the "
+                                      "end of the request and answers a fixed response after the same wait: no "
+                                      "HTTP library, no ASGI, the least any Python server on this loop can cost",
+            "http_floor_warm_p50_ms": round(_pct(floor_warm, .5), 3),
+            "http_floor_warm_p99_ms": round(_pct(floor_warm, .99), 3),
+            "http_floor_warm_method": "as http_floor with no wait: the server answers at once, so neither the "
+                                      "server's nor the client's CPU idles between request and response (the "
+                                      "gap between this and http_floor is what the host charges for waking up "
+                                      "after the milliseconds any generation takes)",
             "generate_diff_p50_ms": round(_pct(gen_diff, .5), 3),
             "generate_diff_mean_ms": round(statistics.fmean(gen_diff), 3),
             "server_overhead_p50_ms": round(_pct(server_side, .5), 3),

@@ -20,6 +20,7 @@ def test_quick_bench_runs_every_phase_without_a_failed_request(tmp_path: Path, t
     assert out["engine"] == "torch" and out["engine_process"] is True
     assert out["paired_requests"] == 60
     for key in ("overhead_p50_ms", "overhead_p99_ms", "http_floor_p50_ms", "http_floor_p99_ms",
+                "http_floor_bare_p50_ms", "http_floor_warm_p50_ms",
                 "server_overhead_p50_ms", "direct_latency_p50_ms", "gateway_latency_p50_ms", "rps", "rps_direct"):
         assert math.isfinite(out[key]), key
     assert out["http_floor_p50_ms"] > 0 and out["rps"] > 0 and out["direct_latency_p50_ms"] > 0
