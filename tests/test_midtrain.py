@@ -68,7 +68,7 @@ def test_training_loop_uses_its_own_threads_and_gives_the_callers_back(tiny_mode
                                            "threads": threads})
         seen: list[int] = []
         out = run_midtrain(settings, out_dir=tmp_path / f"mid-{threads}", progress=False,
-                           on_step=lambda step, model: seen.append(torch.get_num_threads()))
+                           on_step=lambda step, model, seen=seen: seen.append(torch.get_num_threads()))
         assert seen == [expected, expected]
         assert json.loads((out / "midtrain.json").read_text())["threads"] == expected
         assert torch.get_num_threads() == 1  # the caller's setting, restored
