@@ -79,7 +79,21 @@ def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir
 
     Writes ``midtrain.json`` beside the weights (loss curve summary and, with ``eval_at_end``, the
     held-out pass@1). ``on_step(step, model)`` is called after every optimizer step (calibration runs
-    evaluate intermediate points with it)."""
+    evaluate intermediate points with it).
+
+    The training loop runs on ``midtrain.threads``; the caller's torch thread count is restored on
+    return or error."""
+    import torch
+
+    caller_threads = torch.get_num_threads()
+    try:
+        return _midtrain(settings, init_dir, out_dir, progress, log, on_step)
+    finally:
+        torch.set_num_threads(caller_threads)
+
+
+def _midtrain(settings: Settings, init_dir: str | Path | None, out_dir: str | Path | None, progress: bool,
+              log: Callable[[str], None] | None, on_step: Callable[[int, object], None] | None) -> Path:
     import torch
     from tqdm import tqdm
 
@@ -87,7 +101,6 @@ def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir
     from policy.loading import load_policy
 
     cfg = settings.midtrain
-    caller_threads = torch.get_num_threads()
     threads = cfg.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
@@ -139,5 +152,4 @@ def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir
     if log:
         log(f"midtrain: {cfg.steps} steps in {summary['train_s']:.0f}s, loss {summary['loss_first']:.3f} -> "
             f"{summary['loss_last']:.3f}; saved {out}")
-    torch.set_num_threads(caller_threads)
     return out

@@ -47,6 +47,7 @@ Content-Length body); ``httpx`` is measured beside it, because a general-purpose
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -272,16 +273,46 @@ class _BareHTTP(asyncio.Protocol):
                              % (len(body), body))
 
 
-def _floor(engine, host: str, conn, delay_s: float, n: int, body: dict, server_kind: str = "uvicorn") -> list[float]:
-    """Per request, what HTTP alone adds (ms): a do-nothing server that waits ``delay_s`` before answering,
-    on the gateway's event loop (the engine's, when it has one), called by the benchmark's raw client,
-    minus an await of the same ``delay_s`` timed on that loop; pairs in alternating order, as in the
-    overhead phase. ``server_kind``: ``"uvicorn"`` (:func:`_floor_app` on the gateway's uvicorn
-    options) or ``"bare"`` (:class:`_BareHTTP`, an asyncio protocol with no HTTP stack at all)."""
+@contextlib.contextmanager
+def _floor_server(kind: str, loop, host: str, port: int, delay_s: float):
+    """A do-nothing server on ``loop`` for the floor phases, stopped on exit. ``kind``: ``"uvicorn"``
+    (:func:`_floor_app` on the gateway's uvicorn options) or ``"bare"`` (:class:`_BareHTTP`, an asyncio
+    protocol with no HTTP stack at all)."""
+    if kind == "bare":
+        bare = asyncio.run_coroutine_threadsafe(
+            loop.create_server(lambda: _BareHTTP(delay_s), host, port), loop).result(30)
+        try:
+            yield
+        finally:
+            bare.close()
+            asyncio.run_coroutine_threadsafe(bare.wait_closed(), loop).result(30)
+        return
     import uvicorn
 
+    from serving.server import start_server, uvicorn_options
+
+    server = uvicorn.Server(uvicorn.Config(_floor_app(delay_s), host=host, port=port, log_level="warning",
+                                           access_log=False, lifespan="off", **uvicorn_options()))
+    done = start_server(server, loop)
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if done.done() or time.monotonic() > deadline:
+                raise RuntimeError(f"the floor server did not start: {done.exception() if done.done() else 'timeout'}")
+            time.sleep(0.01)
+        yield
+    finally:
+        server.should_exit = True
+        done.result(30)
+
+
+def _floor(engine, host: str, conn, delay_s: float, n: int, body: dict, server_kind: str = "uvicorn") -> list[float]:
+    """Per request, what HTTP alone adds (ms): a do-nothing server (:func:`_floor_server`, ``server_kind``)
+    that waits ``delay_s`` before answering, on the gateway's event loop (the engine's, when it has
+    one), called by the benchmark's raw client, minus an await of the same ``delay_s`` timed on that
+    loop; pairs in alternating order, as in the overhead phase."""
     from serving.engines.torch_process import new_event_loop
-    from serving.server import _free_port, start_server, uvicorn_options
+    from serving.server import _free_port
 
     loop = getattr(engine, "loop", None)
     own = None
@@ -289,50 +320,34 @@ def _floor(engine, host: str, conn, delay_s: float, n: int, body: dict, server_k
         own = loop = new_event_loop()
         threading.Thread(target=loop.run_forever, name="bench-floor-loop", daemon=True).start()
     port = _free_port(host)
-    if server_kind == "bare":
-        bare = asyncio.run_coroutine_threadsafe(
-            loop.create_server(lambda: _BareHTTP(delay_s), host, port), loop).result(30)
-    else:
-        server = uvicorn.Server(uvicorn.Config(_floor_app(delay_s), host=host, port=port, log_level="warning",
-                                               access_log=False, lifespan="off", **uvicorn_options()))
-        done = start_server(server, loop)
     try:
-        deadline = time.monotonic() + 30
-        while server_kind != "bare" and not server.started:
-            if done.done() or time.monotonic() > deadline:
-                raise RuntimeError(f"the floor server did not start: {done.exception() if done.done() else 'timeout'}")
-            time.sleep(0.01)
+        with _floor_server(server_kind, loop, host, port, delay_s):
+            async def awaited() -> float:
+                t0 = time.perf_counter()
+                await asyncio.sleep(delay_s)
+                return (time.perf_counter() - t0) * 1000
 
-        async def awaited() -> float:
-            t0 = time.perf_counter()
-            await asyncio.sleep(delay_s)
-            return (time.perf_counter() - t0) * 1000
+            def http() -> float:
+                conn.send(("floor", f"http://{host}:{port}", body))
+                status, ms = conn.recv()
+                if status != 200:
+                    raise RuntimeError(f"the floor server answered {status}")
+                return ms
 
-        def http() -> float:
-            conn.send(("floor", f"http://{host}:{port}", body))
-            status, ms = conn.recv()
-            if status != 200:
-                raise RuntimeError(f"the floor server answered {status}")
-            return ms
-
-        out = []
-        for i in range(n + 5):
-            got = {}
-            for kind in (("await", "http") if i % 2 else ("http", "await")):
-                got[kind] = (http() if kind == "http"
-                             else asyncio.run_coroutine_threadsafe(awaited(), loop).result(30))
-            if i >= 5:  # the first pairs warm both paths up
-                out.append(got["http"] - got["await"])
-        return out
+            try:
+                out = []
+                for i in range(n + 5):
+                    got = {}
+                    for kind in (("await", "http") if i % 2 else ("http", "await")):
+                        got[kind] = (http() if kind == "http"
+                                     else asyncio.run_coroutine_threadsafe(awaited(), loop).result(30))
+                    if i >= 5:  # the first pairs warm both paths up
+                        out.append(got["http"] - got["await"])
+                return out
+            finally:  # the client's connection goes before the server does
+                conn.send(("floor-close",))
+                conn.recv()
     finally:
-        conn.send(("floor-close",))
-        conn.recv()
-        if server_kind == "bare":
-            bare.close()
-            asyncio.run_coroutine_threadsafe(bare.wait_closed(), loop).result(30)
-        else:
-            server.should_exit = True
-            done.result(30)
         if own is not None:
             own.call_soon_threadsafe(own.stop)
 
