@@ -11,6 +11,7 @@ All functions return ``(loss, metrics)`` or a tensor; none of them touch a model
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -169,11 +170,31 @@ def reinforce_loss(
     return loss, metrics
 
 
+EXTREME_LOGP_GAP = math.log(2)
+"""A token whose trainer and inference probabilities differ by more than a factor of 2."""
+
+
 def mismatch_metrics(trainer_logp: torch.Tensor, inference_logp: torch.Tensor,
                      mask: torch.Tensor) -> dict[str, float]:
-    """Train/inference numerics gap, logged every step: mean |Δlogp| and a k3 KL estimate."""
+    """Train/inference numerics gap, logged every step: mean |Δlogp|, a k3 KL estimate (of
+    KL(inference ‖ trainer) from the inference engine's samples) and the share of tokens with
+    |Δlogp| > ln 2."""
     with torch.no_grad():
+        gap = (trainer_logp - inference_logp).abs()
         return {
-            "mismatch_abs_logp": masked_mean((trainer_logp - inference_logp).abs(), mask).item(),
+            "mismatch_abs_logp": masked_mean(gap, mask).item(),
             "mismatch_kl_k3": masked_mean(kl_k3(trainer_logp, inference_logp), mask).item(),
+            "mismatch_extreme_frac": masked_mean((gap > EXTREME_LOGP_GAP).float(), mask).item(),
         }
+
+
+def replay_metrics(logp_off: torch.Tensor, logp_replay: torch.Tensor, inference_logp: torch.Tensor,
+                   mask: torch.Tensor) -> dict[str, float]:
+    """The train/inference gap of a mixture-of-experts model with its routers choosing freely
+    (``off``) and with the inference routes replayed (``replay``): k3 KL and |Δlogp| > ln 2 share
+    of each, as logged per batch beside the route disagreement rate."""
+    off = mismatch_metrics(logp_off, inference_logp, mask)
+    rep = mismatch_metrics(logp_replay, inference_logp, mask)
+    return {"router_kl_k3_off": off["mismatch_kl_k3"], "router_kl_k3_replay": rep["mismatch_kl_k3"],
+            "router_extreme_frac_off": off["mismatch_extreme_frac"],
+            "router_extreme_frac_replay": rep["mismatch_extreme_frac"]}

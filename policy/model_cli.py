@@ -1,4 +1,4 @@
-"""`rtrl init-model` and `rtrl sample`: build the tiny default model and sample from any model dir."""
+"""`rtrl sample`: sample from any model directory, with per-token log-probs."""
 
 from __future__ import annotations
 
@@ -8,32 +8,6 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("init-model")
-    def init_model(
-        out: str | None = typer.Option(None, "--out", "-o", help="Output directory (default: model.dir)."),
-        seed: int | None = typer.Option(None, help="Seed (default: tiny.seed). Same seed, same model."),
-        force: bool = typer.Option(False, "--force", help="Overwrite an existing model directory."),
-        config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
-    ) -> None:
-        """Build the tiny default model: a Llama config and a byte-level BPE tokenizer trained locally."""
-        from pathlib import Path
-
-        from policy.tiny import build_tiny_model, parameter_count
-        from rtrl.cli import settings_or_exit
-
-        settings = settings_or_exit(config)
-        cfg = settings.tiny if seed is None else settings.tiny.model_copy(update={"seed": seed})
-        target = Path(out or settings.model.dir)
-        if (target / "config.json").exists() and not force:
-            typer.echo(f"{target} already holds a model; pass --force to rebuild it", err=True)
-            raise typer.Exit(1)
-        build_tiny_model(target, cfg)
-        from policy.loading import load_policy
-
-        policy = load_policy(target)
-        typer.echo(f"built {target}: {parameter_count(policy.model):,} parameters, "
-                   f"vocabulary {len(policy.tokenizer)}")
-
     @app.command("sample")
     def sample(
         prompt: list[str] = typer.Argument(..., help="Prompt text (repeat for a batch). Use $'..\\n..' for newlines."),

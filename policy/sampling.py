@@ -21,14 +21,25 @@ Streaming hooks (both optional; nothing extra is computed when they are None):
   complete :class:`Sample`, while the other rows of the batch are still decoding.
 
 Both run on the generating thread between steps: keep them short (hand the data to another thread).
+
+Mixture-of-experts models (:mod:`policy.routing`): every sample also carries its route record
+(:class:`policy.routes.Routes`, ``[P + C - 1, layers, top_k]``: the experts each MoE layer chose for
+every prompt token and every sampled token that was fed back), taken from the very forward passes
+that produced its log-probs; a row continued from a :class:`RowCache` keeps the routes its cached
+positions were computed with. Dense models get ``routes=None`` at no cost.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from policy.routes import Routes
+from policy.routing import RouteSession, route_session
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -65,6 +76,8 @@ class Sample:
     finish_reason: str
     logprobs: list[float]
     sampling_logprobs: list[float]
+    routes: Routes | None = None
+    """MoE models: the experts chosen at every consumed position (see the module docstring)."""
 
 
 class ContextTooLong(ValueError):
@@ -88,16 +101,184 @@ def _filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: tor
     return scaled
 
 
+@dataclass
+class RowCache:
+    """One sequence's KV cache between calls (multi-turn episodes): the keys and values of its first
+    ``length`` tokens in every layer, without padding. A later call passes the sequence's full token
+    ids and only the tokens after ``length`` are run."""
+
+    keys: list[torch.Tensor]  # per layer: [kv_heads, length, head_dim]
+    values: list[torch.Tensor]
+    length: int
+    routes: np.ndarray | None = None  # MoE models: [length, layers, top_k], the cached positions' routes
+
+
+@dataclass
+class _Batch:
+    """What the decode loop starts from: the KV cache, the key mask, the last positions, the logits."""
+
+    cache: object
+    attn: torch.Tensor
+    step_pos: torch.Tensor
+    logits: torch.Tensor
+
+
+class _RouteLog:
+    """The route records of one :func:`generate_ids` call, built from each forward pass's live routes."""
+
+    def __init__(self, session: RouteSession, rows: int):
+        self.session = session
+        self.experts = session.geometry.experts
+        self.dtype = torch.uint8 if self.experts <= 256 else torch.int16
+        self.prompt: list[np.ndarray | None] = [None] * rows
+        self.steps: list[list[np.ndarray]] = [[] for _ in range(rows)]
+
+    def _live(self) -> np.ndarray:
+        return self.session.live().to(self.dtype).cpu().numpy()
+
+    def prefill(self, prompt_ids: list[list[int]], batch_row: list[int], width: int,
+                cached: list[np.ndarray | None] | None = None) -> None:
+        """After the prompt pass: row r's new tokens are the last ones of batch row ``batch_row[r]`` of
+        the pass (left-padded to ``width``), after the ``cached[r]`` routes of its cached prefix."""
+        live = self._live()
+        live = live.reshape(live.shape[0] // width, width, *live.shape[1:])
+        for r, ids in enumerate(prompt_ids):
+            before = None if cached is None else cached[r]
+            n = len(ids) - (0 if before is None else len(before))
+            new = live[batch_row[r], width - n:]
+            self.prompt[r] = new if before is None else np.concatenate([before, new])
+
+    def decode(self, active: list[int]) -> None:
+        """After a decoding step that fed one token to each of ``active``'s rows."""
+        live = self._live()
+        for j, row in enumerate(active):
+            self.steps[row].append(live[j])
+
+    def routes(self, row: int) -> Routes:
+        parts = self.prompt[row]
+        if self.steps[row]:
+            parts = np.concatenate([parts, np.stack(self.steps[row])])
+        return Routes(parts, self.experts)
+
+
+def _prefill_fresh(model, prompt_ids: list[list[int]], pad_token_id: int, device,
+                   route_log: _RouteLog | None = None) -> _Batch:
+    """Left-padded prompts; rows with the same prompt share one prefill (its KV cache is copied)."""
+    B = len(prompt_ids)
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((B, width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((B, width), dtype=torch.long)
+    for i, ids in enumerate(prompt_ids):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        attn[i, width - len(ids):] = 1
+    input_ids, attn = input_ids.to(device), attn.to(device)
+    position_ids = (attn.cumsum(-1) - 1).clamp_min(0)
+    distinct: dict[tuple[int, ...], int] = {}
+    row_prompt: list[int] = []
+    first_rows: list[int] = []  # a row holding each distinct prompt, in order of appearance
+    for r, ids in enumerate(prompt_ids):
+        if tuple(ids) not in distinct:
+            distinct[tuple(ids)] = len(first_rows)
+            first_rows.append(r)
+        row_prompt.append(distinct[tuple(ids)])
+    if len(first_rows) < B:
+        rep = torch.tensor(first_rows, device=device)
+        out = model(input_ids=input_ids[rep], attention_mask=attn[rep], position_ids=position_ids[rep], use_cache=True)
+        copy = torch.tensor(row_prompt, device=device)
+        cache = out.past_key_values
+        cache.batch_select_indices(copy)
+        logits = out.logits[copy, -1, :].float()
+    else:
+        out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+    if route_log is not None:
+        route_log.prefill(prompt_ids, row_prompt, width)
+    return _Batch(cache=cache, attn=attn, step_pos=position_ids[:, -1:], logits=logits)
+
+
+def _prefill_cached(model, prompt_ids: list[list[int]], caches: list[RowCache | None], pad_token_id: int,
+                    device, route_log: _RouteLog | None = None) -> _Batch:
+    """Each row's cached prefix (left-padded to a common width) plus its new tokens (left-padded too,
+    so every row's last token is in the last column); padding inside a row is masked out."""
+    from transformers import DynamicCache
+
+    n_layers = next(c for c in caches if c is not None).keys.__len__()
+    lens = [c.length if c is not None else 0 for c in caches]
+    for i, (ids, n) in enumerate(zip(prompt_ids, lens, strict=True)):
+        if len(ids) <= n:
+            raise ValueError(f"row {i}: no new tokens after its {n} cached ones")
+    W, L = max(lens), max(len(ids) - n for ids, n in zip(prompt_ids, lens, strict=True))
+    B = len(prompt_ids)
+    ref = next(c for c in caches if c is not None)
+    layers = []
+    for layer in range(n_layers):
+        kshape, vshape = ref.keys[layer].shape, ref.values[layer].shape
+        k = torch.zeros((B, kshape[0], W, kshape[2]), dtype=ref.keys[layer].dtype, device=device)
+        v = torch.zeros((B, vshape[0], W, vshape[2]), dtype=ref.values[layer].dtype, device=device)
+        for i, c in enumerate(caches):
+            if c is not None and c.length:
+                k[i, :, W - c.length:] = c.keys[layer]
+                v[i, :, W - c.length:] = c.values[layer]
+        layers.append((k, v))
+    cache = DynamicCache(ddp_cache_data=layers)
+    input_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((B, W + L), dtype=torch.long)
+    pos = torch.zeros((B, L), dtype=torch.long)
+    for i, (ids, n) in enumerate(zip(prompt_ids, lens, strict=True)):
+        new = ids[n:]
+        input_ids[i, L - len(new):] = torch.tensor(new)
+        attn[i, W - n:W] = 1
+        attn[i, W + L - len(new):] = 1
+        pos[i, L - len(new):] = torch.arange(n, n + len(new))
+    input_ids, attn, pos = input_ids.to(device), attn.to(device), pos.to(device)
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True)
+    if route_log is not None:
+        cached = [c.routes if c is not None else None for c in caches]
+        if any(c is not None and c.length and r is None for c, r in zip(caches, cached, strict=True)):
+            raise ValueError("a row's cache was made without routes: it cannot continue on an MoE model")
+        route_log.prefill(prompt_ids, list(range(B)), L, cached)
+    return _Batch(cache=out.past_key_values, attn=attn, step_pos=pos[:, -1:], logits=out.logits[:, -1, :].float())
+
+
+def _row_cache(cache, attn: torch.Tensor, j: int, routes: Routes | None = None) -> RowCache:
+    """Batch row ``j`` of ``cache`` without its padding columns (with the row's routes: they cover
+    exactly the cached positions)."""
+    keep = attn[j].bool()
+    keys = [layer.keys[j][:, keep[-layer.keys.shape[2]:]].clone() for layer in cache.layers]
+    values = [layer.values[j][:, keep[-layer.values.shape[2]:]].clone() for layer in cache.layers]
+    return RowCache(keys=keys, values=values, length=int(keep.sum()),
+                    routes=None if routes is None else routes.ids)
+
+
 @torch.no_grad()
 def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams], *, eos_token_id: int | None,
                  pad_token_id: int, decode=None,
                  on_step: Callable[[list[int], list[int]], None] | None = None,
-                 on_finish: Callable[[int, Sample], None] | None = None) -> list[Sample]:
+                 on_finish: Callable[[int, Sample], None] | None = None,
+                 caches: list[RowCache | None] | None = None) -> list[Sample]:
     """Sample one completion per row. ``params[i]`` applies to row i (its ``n`` is ignored here).
 
-    ``on_step`` / ``on_finish``: see the module docstring (per-step tokens, per-row completion)."""
+    ``on_step`` / ``on_finish``: see the module docstring (per-step tokens, per-row completion).
+
+    ``caches`` (multi-turn episodes): a list with one entry per row, None or the row's
+    :class:`RowCache` from an earlier call. The row's ``prompt_ids`` are then its *full* token ids and
+    only those after the cached ones are run; on return the list holds each row's new cache (every
+    token of the row but the last sampled one, which the next call runs). Results are those of the
+    same call without caches, up to floating-point summation order."""
+    session = route_session(model, capture=True)
+    with session if session is not None else nullcontext():
+        return _generate_ids(model, prompt_ids, params, eos_token_id, pad_token_id, decode, on_step, on_finish,
+                             caches, None if session is None else _RouteLog(session, len(prompt_ids)))
+
+
+def _generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams], eos_token_id: int | None,
+                  pad_token_id: int, decode, on_step: Callable[[list[int], list[int]], None] | None,
+                  on_finish: Callable[[int, Sample], None] | None, caches: list[RowCache | None] | None,
+                  route_log: _RouteLog | None) -> list[Sample]:
     if len(prompt_ids) != len(params):
         raise ValueError("one SamplingParams per prompt row")
+    if caches is not None and len(caches) != len(prompt_ids):
+        raise ValueError("one cache entry per prompt row")
     if not prompt_ids:
         return []
     device = next(model.parameters()).device
@@ -109,14 +290,11 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
             raise ContextTooLong(f"prompt of {len(ids)} tokens + max_tokens {p.max_new_tokens} exceeds the "
                                  f"model context of {max_ctx}")
     B = len(prompt_ids)
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.full((B, width), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((B, width), dtype=torch.long)
-    for i, ids in enumerate(prompt_ids):
-        input_ids[i, width - len(ids):] = torch.tensor(ids)
-        attn[i, width - len(ids):] = 1
-    input_ids, attn = input_ids.to(device), attn.to(device)
-    position_ids = (attn.cumsum(-1) - 1).clamp_min(0)
+    if caches is not None and any(c is not None for c in caches):
+        batch = _prefill_cached(model, prompt_ids, caches, pad_token_id, device, route_log)
+    else:
+        batch = _prefill_fresh(model, prompt_ids, pad_token_id, device, route_log)
+    cache, attn, step_pos, logits = batch.cache, batch.attn, batch.step_pos, batch.logits
 
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     greedy = temperature == 0
@@ -124,7 +302,7 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
     generators = [torch.Generator(device=device).manual_seed(p.seed) if p.seed is not None else None
                   for p in params]
-    budget = torch.tensor([p.max_new_tokens for p in params], device=device)
+    budget = max(p.max_new_tokens for p in params)
 
     out_tokens: list[list[int]] = [[] for _ in range(B)]
     out_lp: list[list[float]] = [[] for _ in range(B)]
@@ -133,9 +311,8 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
     texts: list[str] = [""] * B
     active = list(range(B))  # original row index of each live batch row
     samples: list[Sample | None] = [None] * B
-    cache = None
 
-    def finished(row: int) -> None:
+    def finished(row: int, routes: Routes | None) -> None:
         ids = out_tokens[row]
         if finish[row] is None:
             finish[row] = FINISH_LENGTH
@@ -144,35 +321,20 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
                                 and ids[-1] == eos_token_id) else ids
             texts[row] = decode(body)
         samples[row] = Sample(prompt_token_ids=list(prompt_ids[row]), token_ids=ids, text=texts[row],
-                              finish_reason=finish[row], logprobs=out_lp[row], sampling_logprobs=out_slp[row])
+                              finish_reason=finish[row], logprobs=out_lp[row], sampling_logprobs=out_slp[row],
+                              routes=routes)
         if on_finish is not None:
             on_finish(row, samples[row])
-    step_ids, step_pos = input_ids, position_ids
-    # Rows with the same prompt (GRPO groups, n > 1) share one prefill: the distinct prompts run
-    # once and their KV cache is copied to every row that shares them.
-    distinct: dict[tuple[int, ...], int] = {}
-    row_prompt: list[int] = []
-    first_rows: list[int] = []  # a row holding each distinct prompt, in order of appearance
-    for r, ids in enumerate(prompt_ids):
-        if tuple(ids) not in distinct:
-            distinct[tuple(ids)] = len(first_rows)
-            first_rows.append(r)
-        row_prompt.append(distinct[tuple(ids)])
 
-    for step in range(int(budget.max())):
-        if step == 0 and len(distinct) < B:
-            rep = torch.tensor(first_rows, device=device)
-            out = model(input_ids=input_ids[rep], attention_mask=attn[rep], position_ids=position_ids[rep],
-                        use_cache=True)
-            copy = torch.tensor(row_prompt, device=device)
-            cache = out.past_key_values
-            cache.batch_select_indices(copy)
-            logits = out.logits[copy, -1, :].float()
-        else:
+    step_ids = None  # the tokens sampled in the previous step, fed in the next
+    for step in range(budget):
+        if step > 0:
             out = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
                         past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
+            if route_log is not None:
+                route_log.decode(active)
         raw_logp = logits.log_softmax(-1)
         idx = torch.tensor(active, device=device)
         filt = _filtered_logits(logits, temperature[idx], top_k[idx], top_p[idx])
@@ -203,22 +365,23 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
             out_slp[row].append(slp[j])
             if eos_token_id is not None and tok == eos_token_id:
                 finish[row] = FINISH_STOP
-                finished(row)
+            else:
+                stops = params[row].stop
+                if stops and decode is not None:
+                    text = decode(out_tokens[row])
+                    hit = min((text.find(s) for s in stops if s and s in text), default=-1)
+                    if hit >= 0:
+                        texts[row] = text[:hit]
+                        finish[row] = FINISH_STOP
+                if finish[row] is None and len(out_tokens[row]) >= params[row].max_new_tokens:
+                    finish[row] = FINISH_LENGTH
+            if finish[row] is None:
+                keep.append(j)
                 continue
-            stops = params[row].stop
-            if stops and decode is not None:
-                text = decode(out_tokens[row])
-                hit = min((text.find(s) for s in stops if s and s in text), default=-1)
-                if hit >= 0:
-                    texts[row] = text[:hit]
-                    finish[row] = FINISH_STOP
-                    finished(row)
-                    continue
-            if len(out_tokens[row]) >= params[row].max_new_tokens:
-                finish[row] = FINISH_LENGTH
-                finished(row)
-                continue
-            keep.append(j)
+            routes = None if route_log is None else route_log.routes(row)
+            if caches is not None:
+                caches[row] = _row_cache(cache, attn, j, routes)
+            finished(row, routes)
         if not keep:
             break
         if len(keep) < len(active):
@@ -234,7 +397,7 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
 
     for row in range(B):
         if samples[row] is None:  # every row finishes inside the loop; kept as a guard
-            finished(row)
+            finished(row, None if route_log is None else route_log.routes(row))
     return samples
 
 

@@ -1,9 +1,16 @@
 """The tiny default model: a Llama-architecture causal LM and a byte-level BPE tokenizer, built here.
 
-Nothing is downloaded. The tokenizer is trained with ``tokenizers`` on the built-in synthetic code
-corpus; digits are split one per token (merged numbers would make arithmetic patterns much harder for
+Nothing is downloaded. The tokenizer is trained with ``tokenizers`` on texts the caller passes (the
+offline stage passes its synthetic code corpus: :func:`offline_rl.corpus.build_default_model`);
+digits are split one per token (merged numbers would make arithmetic patterns much harder for
 a model this small). Both are saved with ``save_pretrained``, so transformers and vLLM load the
 directory unchanged. The same seed gives byte-identical weights and tokenizer.
+
+With ``moe=True`` (``rtrl init-model --moe``) the model is a Qwen3-MoE instead: the same width,
+depth, attention and tokenizer, every MLP a mixture of ``tiny.moe_experts`` experts of which each
+token uses ``tiny.moe_top_k`` (softmax router, top-k weights renormalised), with the
+load-balancing loss configured (``router_aux_loss_coef``; mid-training adds it). Heads are 32 wide
+or wider (vLLM's CPU attention kernel refuses 16).
 """
 
 from __future__ import annotations
@@ -42,20 +49,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     )
 
 
-def build_tiny_model(out_dir: str | Path, cfg: TinyModelSettings | None = None) -> Path:
-    """Write a freshly initialised tiny model + tokenizer to ``out_dir`` and return the path."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _config(cfg: TinyModelSettings, tokenizer, moe: bool):
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
-    from offline_rl.tasks import corpus
-    from policy.loading import quiet_transformers
-
-    quiet_transformers()
-    cfg = cfg or TinyModelSettings()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(corpus(cfg.corpus_examples, seed=cfg.seed), cfg.vocab_size)
-    config = LlamaConfig(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -69,13 +66,40 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelSettings | None = None) 
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
+    if not moe:
+        return LlamaConfig(**common)
+    if cfg.moe_top_k > cfg.moe_experts:
+        raise ValueError(f"tiny.moe_top_k {cfg.moe_top_k} exceeds tiny.moe_experts {cfg.moe_experts}")
+    head_dim = cfg.hidden_size // cfg.num_heads
+    if head_dim < 32:
+        raise ValueError(f"tiny.hidden_size / tiny.num_heads = {head_dim}: an MoE model needs heads of 32 or more "
+                         "(vLLM's CPU attention kernel refuses smaller ones)")
+    return Qwen3MoeConfig(**common, head_dim=head_dim, num_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
+                          moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=True,
+                          router_aux_loss_coef=cfg.moe_aux_loss_coef)
+
+
+def build_tiny_model(out_dir: str | Path, cfg: TinyModelSettings, texts: Iterable[str], *, moe: bool = False) -> Path:
+    """Write a freshly initialised tiny model + a tokenizer trained on ``texts`` to ``out_dir``
+    (``moe``: the mixture-of-experts variant, see the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from policy.loading import quiet_transformers
+
+    quiet_transformers()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    config = _config(cfg, tokenizer, moe)
     torch.manual_seed(cfg.seed)
     with MODEL_BUILD_LOCK:  # a concurrent from_pretrained would have the init functions patched out
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / "rtrl_model.json").write_text(json.dumps({"built_by": "rtrl init-model", **cfg.model_dump()}, indent=2))
+    (out / "rtrl_model.json").write_text(json.dumps({"built_by": "rtrl init-model", "moe": moe, **cfg.model_dump()},
+                                                    indent=2))
     return out
 
 

@@ -62,7 +62,8 @@ from policy.registry.errors import (
     RegistryError,
     VersionNotFound,
 )
-from policy.registry.registry import Registry, RegistryEvent, VerifyReport, VersionInfo
+from policy.registry.registry import Registry, RegistryEvent, VersionInfo
+from policy.registry.verify import VerifyReport
 
 __all__ = [
     "BrokenChain",

@@ -11,15 +11,13 @@ a parent that is being deleted.
 from __future__ import annotations
 
 import shutil
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from policy.registry.channels import read_channel
-
-if TYPE_CHECKING:
-    from policy.registry.registry import Registry
+from policy.registry.core import RegistryCore
 
 
-def collect(reg: Registry, keep: list[str], *, keep_last: int, dry_run: bool,
+def collect(reg: RegistryCore, keep: list[str], *, keep_last: int, dry_run: bool,
             staging_min_age_s: float) -> dict[str, Any]:
     with reg.store.lock("registry"):
         ids = reg.store.list_versions()
@@ -49,7 +47,7 @@ def collect(reg: Registry, keep: list[str], *, keep_last: int, dry_run: bool,
         if not dry_run:
             for v in doomed:
                 reg.store.delete_version(v)
-                reg._memory_drop(v)
+                reg.memory_drop(v)
                 if reg.cache_dir is not None and (reg.cache_dir / v).is_dir():
                     shutil.rmtree(reg.cache_dir / v, ignore_errors=True)
             removed_staging = reg.store.clean_staging(staging_min_age_s)

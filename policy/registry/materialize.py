@@ -16,11 +16,11 @@ import shutil
 import uuid
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from policy.registry.codec import SAME, FrameError, FrameRef, decode_frame, parse_frames
+from policy.registry.core import RegistryCore, State
 from policy.registry.errors import BrokenChain, CorruptVersion, RegistryError, VersionNotFound
 from policy.registry.hf import check_materialized, read_hf_dir, write_hf_dir
 from policy.registry.manifest import Manifest, TensorEntry
@@ -28,13 +28,8 @@ from policy.registry.shards import from_safetensors
 from policy.registry.tensors import UINT, WIDTH, TensorBits
 from policy.registry.workers import pmap
 
-if TYPE_CHECKING:
-    from policy.registry.registry import Registry
 
-State = dict[str, TensorBits]
-
-
-def read_file(reg: Registry, m: Manifest, name: str, *, writable: bool = False) -> bytes | bytearray:
+def read_file(reg: RegistryCore, m: Manifest, name: str, *, writable: bool = False) -> bytes | bytearray:
     """A version's file, its SHA-256 checked against the manifest (a bytearray if ``writable``)."""
     entry = next((f for f in m.files if f.name == name), None)
     if entry is None:
@@ -52,7 +47,7 @@ def read_file(reg: Registry, m: Manifest, name: str, *, writable: bool = False) 
     return data
 
 
-def verify_tensors(reg: Registry, m: Manifest, state: State, names: list[str] | None = None) -> None:
+def verify_tensors(reg: RegistryCore, m: Manifest, state: State, names: list[str] | None = None) -> None:
     entries = {t.name: t for t in m.tensors}
     todo = names if names is not None else list(entries)
 
@@ -70,7 +65,7 @@ def verify_tensors(reg: Registry, m: Manifest, state: State, names: list[str] | 
     pmap(check, todo, reg.workers)
 
 
-def read_snapshot(reg: Registry, m: Manifest) -> State:
+def read_snapshot(reg: RegistryCore, m: Manifest) -> State:
     by_file: dict[str, list[TensorEntry]] = defaultdict(list)
     for t in m.tensors:
         by_file[t.file].append(t)
@@ -93,7 +88,7 @@ def read_snapshot(reg: Registry, m: Manifest) -> State:
     return {t.name: state[t.name] for t in m.tensors}
 
 
-def apply_delta(reg: Registry, m: Manifest, base: State) -> State:
+def apply_delta(reg: RegistryCore, m: Manifest, base: State) -> State:
     """The state of delta version ``m`` from its parent's state ``base`` (consumed: decoded in place)."""
     assert m.parent is not None
     parent = reg.manifest(m.parent)
@@ -162,7 +157,7 @@ def apply_delta(reg: Registry, m: Manifest, base: State) -> State:
     return out
 
 
-def read_cached_dir(reg: Registry, m: Manifest) -> State | None:
+def read_cached_dir(reg: RegistryCore, m: Manifest) -> State | None:
     """The state from an intact materialised directory of ``m`` in the cache, else None."""
     if reg.cache_dir is None:
         return None
@@ -178,7 +173,7 @@ def read_cached_dir(reg: Registry, m: Manifest) -> State | None:
     return state
 
 
-def decode_state(reg: Registry, version_id: str, *, known: dict[str, State] | None = None,
+def decode_state(reg: RegistryCore, version_id: str, *, known: dict[str, State] | None = None,
                  use_caches: bool = True) -> State:
     """A fresh, owned state of the version. ``known`` maps version ids to states that may be used as a
     starting point (they are copied, not consumed)."""
@@ -213,11 +208,11 @@ def decode_state(reg: Registry, version_id: str, *, known: dict[str, State] | No
     return base
 
 
-def aux_files(reg: Registry, m: Manifest) -> dict[str, bytes]:
+def aux_files(reg: RegistryCore, m: Manifest) -> dict[str, bytes]:
     return {f.name.removeprefix("aux/"): read_file(reg, m, f.name) for f in m.aux_files()}
 
 
-def materialize_dir(reg: Registry, m: Manifest, out_dir: Path | None) -> Path:
+def materialize_dir(reg: RegistryCore, m: Manifest, out_dir: Path | None) -> Path:
     target = Path(out_dir) if out_dir is not None else reg.require_cache_dir() / m.id
     if target.exists():
         if check_materialized(target, m.id, m.sha256):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from policy.registry.codec import MODE_NAMES, ChunkStats, encode_chunk, encode_raw
+from policy.registry.core import RegistryCore, State
 from policy.registry.errors import BrokenChain, PublishError
 from policy.registry.manifest import (
     FORMAT,
@@ -25,13 +25,7 @@ from policy.registry.manifest import (
     version_sha256,
 )
 from policy.registry.shards import plan_shards, to_safetensors
-from policy.registry.tensors import TensorBits
 from policy.registry.workers import pmap
-
-if TYPE_CHECKING:
-    from policy.registry.registry import Registry
-
-State = dict[str, TensorBits]
 
 
 @dataclass
@@ -59,7 +53,7 @@ class Encoded:
     reason: str = ""
 
 
-def prepare(reg: Registry, tensors: State, aux: dict[str, bytes]) -> Prepared:
+def prepare(reg: RegistryCore, tensors: State, aux: dict[str, bytes]) -> Prepared:
     if not tensors:
         raise PublishError("no tensors to publish")
     for name in tensors:
@@ -77,7 +71,7 @@ def prepare(reg: Registry, tensors: State, aux: dict[str, bytes]) -> Prepared:
     return Prepared({n: tensors[n] for n in names}, aux, entries, vsha, vsha[:ID_HEX], time.perf_counter() - t0)
 
 
-def encode_snapshot(reg: Registry, tensors: State, reason: str) -> Encoded:
+def encode_snapshot(reg: RegistryCore, tensors: State, reason: str) -> Encoded:
     groups = plan_shards(((n, tb.nbytes) for n, tb in tensors.items()), reg.shard_bytes)
     files = []
     tensor_files = {}
@@ -88,7 +82,7 @@ def encode_snapshot(reg: Registry, tensors: State, reason: str) -> Encoded:
     return Encoded("snapshot", files, tensor_files, dict.fromkeys(tensors, "snapshot"), reason=reason)
 
 
-def encode_delta(reg: Registry, tensors: State, base: State) -> Encoded:
+def encode_delta(reg: RegistryCore, tensors: State, base: State) -> Encoded:
     """Frames of every tensor against ``base`` (read only), grouped into delta files by raw size."""
     t0 = time.perf_counter()
     names = list(tensors)
@@ -126,7 +120,7 @@ def encode_delta(reg: Registry, tensors: State, base: State) -> Encoded:
     return Encoded("delta", files, tensor_files, coding, stats, time.perf_counter() - t0)
 
 
-def commit(reg: Registry, prep: Prepared, enc: Encoded, *, parent: str | None, depth: int, stage: str | None,
+def commit(reg: RegistryCore, prep: Prepared, enc: Encoded, *, parent: str | None, depth: int, stage: str | None,
            run: str | None, metrics: dict[str, float]) -> tuple[Manifest, bool]:
     """Write the files aside and commit. Returns (manifest, created); created is False when a version with
     the same content was committed first (by a concurrent publisher)."""

@@ -6,22 +6,25 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from policy.registry import channels as channel_ops
+import policy.registry.channels as channel_ops
 from policy.registry.codec import DEFAULT_CHUNK_ELEMENTS, DEFAULT_DENSE_PROBE, encode_chunk
+from policy.registry.core import State
 from policy.registry.errors import ChannelError, PublishError, RegistryError, VersionNotFound
+from policy.registry.gc import collect
 from policy.registry.hf import read_aux, read_hf_dir
 from policy.registry.manifest import Manifest, decode_manifest
 from policy.registry.materialize import aux_files, decode_state, materialize_dir, read_file
 from policy.registry.publish import commit, encode_delta, encode_snapshot, prepare
 from policy.registry.store import MANIFEST, open_store
-from policy.registry.tensors import TensorBits, from_torch, to_torch
+from policy.registry.tensors import from_torch, to_torch
+from policy.registry.verify import VerifyReport, verify
 from policy.registry.workers import resolve_workers
 
 if TYPE_CHECKING:
@@ -29,7 +32,6 @@ if TYPE_CHECKING:
 
     from policy.config import RegistrySettings
 
-State = dict[str, TensorBits]
 DEFAULT_CHANNELS = ("candidate", "production")
 
 
@@ -79,17 +81,6 @@ class RegistryEvent:
     channel: str | None
     sha256: str
     metrics: dict[str, float]
-
-
-@dataclass
-class VerifyReport:
-    ok: bool
-    checked: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 Hook = Callable[[RegistryEvent], None]
@@ -237,7 +228,7 @@ class Registry:
             while len(self._memory) > self._memory_size:
                 self._memory.popitem(last=False)
 
-    def _memory_drop(self, version: str) -> None:
+    def memory_drop(self, version: str) -> None:
         with self._lock:
             self._memory.pop(version, None)
             self._manifests.pop(version, None)
@@ -369,7 +360,6 @@ class Registry:
 
     def verify(self, version: str | None = None) -> VerifyReport:
         """Check every byte of one version (and the chain it needs) or of the whole registry."""
-        from policy.registry.verify import verify
 
         return verify(self, version)
 
@@ -412,7 +402,6 @@ class Registry:
     def gc(self, keep: Iterable[str] = (), *, keep_last: int | None = None, dry_run: bool = False,
            staging_min_age_s: float = 60.0) -> dict[str, Any]:
         """Delete versions nothing needs; see :func:`policy.registry.gc.collect`."""
-        from policy.registry.gc import collect
 
         return collect(self, [self.resolve(k) for k in keep],
                        keep_last=self.keep_last if keep_last is None else keep_last, dry_run=dry_run,

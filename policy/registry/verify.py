@@ -8,21 +8,29 @@ collected, not raised, so one report lists all of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from policy.registry.channels import read_channel
+from policy.registry.core import RegistryCore, State
 from policy.registry.errors import RegistryError
 from policy.registry.manifest import Manifest
-from policy.registry.materialize import State, aux_files, decode_state
+from policy.registry.materialize import aux_files, decode_state
 from policy.registry.store import LocalStore
 
-if TYPE_CHECKING:
-    from policy.registry.registry import Registry, VerifyReport
+
+@dataclass
+class VerifyReport:
+    ok: bool
+    checked: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
-def verify(reg: Registry, version: str | None) -> VerifyReport:
-    from policy.registry.registry import VerifyReport
-
+def verify(reg: RegistryCore, version: str | None) -> VerifyReport:
     report = VerifyReport(ok=True)
     targets = [reg.resolve(version)] if version is not None else reg.store.list_versions()
     manifests: dict[str, Manifest] = {}
