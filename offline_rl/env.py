@@ -103,6 +103,14 @@ class CodingEnv:
         tool, expr = self.parse_action(line)
         return expr if tool == "submit" else None
 
+    def step_many(self, states: list[EpisodeState], actions: list[str]) -> list[str]:
+        """:meth:`step` for each episode (the rollout loop's batched call)."""
+        return [self.step(st, a) for st, a in zip(states, actions, strict=True)]
+
+    def submission(self, state: EpisodeState) -> str | None:
+        """What the reward scores: the submitted expression (None: nothing submitted)."""
+        return state.submission
+
     def step(self, state: EpisodeState, action: str) -> str:
         """Apply one policy line; returns the observation appended to the context ('' when done)."""
         if state.done:

@@ -15,11 +15,17 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from offline_rl.agent_env import Submission
 from offline_rl.config import RewardSettings
 from offline_rl.env import compiles, program_for, score_expression
 from offline_rl.judge import Judge, JudgeError
-from offline_rl.sandbox import RunResult, Sandbox, SandboxPool
+from offline_rl.repo_tasks import RepoTask
+from offline_rl.sandbox import RunResult, Sandbox, SandboxPool, TestResult
 from offline_rl.tasks import Task
+
+Answer = str | Submission | None
+"""What an episode submitted: an expression (function tasks) or a working copy to test (repository
+tasks); None when nothing was submitted."""
 
 
 @dataclass
@@ -76,6 +82,25 @@ class RewardFunction:
         total, parts = self.combine(run, well_formed and expression is not None, judge_scores)
         return Reward(total=total, parts=parts, run=run, passed=run.all_passed, judge_error=err)
 
+    def score_submission(self, sub: Submission | None, well_formed: bool, run: RunResult | None = None) -> Reward:
+        """A repository episode's reward: ``tests`` if every hidden test passes on the submitted working
+        copy (plus ``format`` when, in addition, every command line ended within its token budget), else 0.
+
+        The pass event rather than the fraction of hidden tests: a repository's unchanged code already
+        passes some hidden tests by coincidence (e.g. ``max(x,3)`` and ``max(x,7)`` agree on large
+        inputs), so partial credit pays for submitting without changing anything. No judge: it rates
+        one expression, not a change to a code base. No submission scores 0."""
+        if sub is None:
+            run = RunResult(tests=[TestResult(0, "error", "no submission")], compiled=False, error="no submission")
+        elif run is None:
+            run = self.sandbox.run(sub.code, sub.entry_point, sub.tests)
+        solved = sub is not None and run.all_passed
+        parts = {"solved": float(solved), "tests": run.pass_fraction, "format": float(well_formed and sub is not None)}
+        total = self.settings.tests * parts["solved"]
+        if solved:
+            total += self.settings.format * parts["format"]
+        return Reward(total=total, parts=parts, run=run, passed=solved)
+
     def score_many(self, items: Sequence[tuple[Task, str | None, bool]]) -> list[Reward]:
         """Score a batch; identical (task, expression) pairs are run once (GRPO groups repeat a lot)."""
         return self.pending().rewards(items)
@@ -104,12 +129,19 @@ class PendingRewards:
         self.fn.count_run(run)
 
     @staticmethod
-    def _key(task: Task, expr: str | None) -> tuple[str, str | None]:
-        return task.task_id, None if expr is None else expr.strip()
+    def _key(task: Task | RepoTask, answer: Answer) -> tuple[str, str | None]:
+        if isinstance(answer, Submission):
+            return task.task_id, answer.key
+        return task.task_id, None if answer is None else answer.strip()
 
-    def add(self, task: Task, expr: str | None) -> None:
+    def add(self, task: Task | RepoTask, expr: Answer) -> None:
+        """Start scoring an answer (identical answers to one task run once)."""
         key = self._key(task, expr)
         if key in self.runs:
+            return
+        if isinstance(task, RepoTask):
+            if isinstance(expr, Submission):
+                self.runs[key] = self.fn.sandbox.submit(expr.code, expr.entry_point, expr.tests)
             return
         sandbox = self.fn.sandbox
         if (isinstance(sandbox, SandboxPool) and expr is not None and expr.strip()
@@ -119,7 +151,7 @@ class PendingRewards:
             run = self.runs[key] = score_expression(sandbox, task, expr)
             self._count(run)
 
-    def rewards(self, items: Sequence[tuple[Task, str | None, bool]]) -> list[Reward]:
+    def rewards(self, items: Sequence[tuple[Task | RepoTask, Answer, bool]]) -> list[Reward]:
         for task, expr, _ in items:
             self.add(task, expr)
         for key, run in self.runs.items():
@@ -128,6 +160,10 @@ class PendingRewards:
                 self._count(run)
         out = []
         for task, expr, well_formed in items:
-            run = self.runs[self._key(task, expr)]
-            out.append(self.fn.score(task, expr, well_formed, run=run))
+            run = self.runs.get(self._key(task, expr))
+            if isinstance(task, RepoTask):
+                out.append(self.fn.score_submission(expr if isinstance(expr, Submission) else None, well_formed,
+                                                    run=run))
+            else:
+                out.append(self.fn.score(task, expr, well_formed, run=run))
         return out

@@ -33,7 +33,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
@@ -65,6 +65,10 @@ class WorkerConfig:
     max_new_tokens: int
     seed: int
     threads: int = 1
+
+
+def _state(model_or_state) -> Mapping:
+    return model_or_state if isinstance(model_or_state, Mapping) else model_or_state.state_dict()
 
 
 def sample_tasks(tasks, n: int, rng: random.Random):
@@ -124,16 +128,15 @@ def _worker_main(cfg: WorkerConfig, tasks, shared: dict, live: list[str], versio
     import torch
 
     from offline_rl.config import EnvSettings, JudgeSettings, RewardSettings, SandboxSettings
-    from offline_rl.env import CodingEnv
     from offline_rl.judge import make_judge
     from offline_rl.rewards import RewardFunction
-    from offline_rl.rollout import TorchBackend, VLLMBackend, assign_rewards, play_episodes
+    from offline_rl.rollout import TorchBackend, VLLMBackend, assign_rewards, make_env, play_episodes
     from offline_rl.sandbox import SandboxPool
     from policy.loading import load_policy, load_tokenizer
 
     torch.set_num_threads(cfg.threads)
     sandbox = SandboxPool(SandboxSettings(**cfg.sandbox_settings))
-    env = CodingEnv(sandbox, EnvSettings(**cfg.env_settings))
+    env = make_env(EnvSettings(**cfg.env_settings), sandbox)
     reward_fn = RewardFunction(sandbox, RewardSettings(**cfg.reward_settings),
                                make_judge(JudgeSettings(**cfg.judge_settings)))
     if cfg.engine == "vllm":
@@ -222,12 +225,13 @@ class AsyncRollouts:
 
     def __init__(self, model, worker_cfgs: list[WorkerConfig], tasks, queue_size: int, version: int = 0,
                  live: list[str] | None = None):
-        """``live``: the state-dict names the trainer updates (default all); only they are re-sent."""
+        """``model``: the policy or its full state dict (a data-parallel trainer gathers one on rank 0).
+        ``live``: the state-dict names the trainer updates (default all); only they are re-sent."""
         import torch
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        self.shared = {k: v.detach().clone().contiguous().share_memory_() for k, v in model.state_dict().items()}
+        self.shared = {k: v.detach().clone().contiguous().share_memory_() for k, v in _state(model).items()}
         self.live = list(live) if live is not None else list(self.shared)
         self.version = ctx.Value("l", version)
         self.lock = ctx.Lock()
@@ -253,7 +257,7 @@ class AsyncRollouts:
 
     def publish(self, model, version: int) -> None:
         with self._torch.no_grad(), self.lock:
-            state = model.state_dict()
+            state = _state(model)
             for k in self.live:
                 self.shared[k].copy_(state[k])
             self.version.value = version

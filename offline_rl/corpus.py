@@ -1,0 +1,109 @@
+"""The mid-training corpus: function-synthesis documents and agent transcripts, as token segments.
+
+A document is a list of segments ``(text, written_by_the_policy)``. Each segment is tokenized on its
+own, exactly as the rollout loop does it: the environment's text (a prompt, a tool's output ending in
+``$ ``) and the policy's text (an answer, a command line) never merge into one token, so the model
+learns to continue a context that ends where an environment's turn ends.
+
+* function documents: ``# f(0)=7 f(1)=15 ...\\ndef f(x): return `` + the answer (train-split
+  functions only, :func:`offline_rl.tasks.corpus`);
+* agent transcripts: repository episodes played by the mixed-care demonstrator
+  (:mod:`offline_rl.demos`) on training tasks.
+
+``midtrain.agent_share`` sets the mixture. Batches are built to a token budget from a pool of
+documents sorted by length, so a step costs about the same whatever it holds and little is padding.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from offline_rl.config import MidtrainSettings
+from offline_rl.demos import DemoHabits, Segment, transcript_text, transcripts
+from offline_rl.tasks import corpus as function_corpus
+from policy.config import TinyModelSettings
+from policy.tiny import build_tiny_model
+
+ANSWER_MARK = "return "
+POOL_BATCHES = 8
+"""Documents for this many batches are drawn at once and sorted by length before batching."""
+
+
+def function_segments(doc: str) -> list[Segment]:
+    """A function document split where the prompt ends (after ``return ``) and the answer begins."""
+    cut = doc.rfind(ANSWER_MARK)
+    if cut < 0:
+        return [(doc, False)]
+    cut += len(ANSWER_MARK)
+    return [(doc[:cut], False), (doc[cut:], True)]
+
+
+def segment_ids(tokenizer, segments: list[Segment]) -> list[int]:
+    ids: list[int] = []
+    for text, _ in segments:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def documents(n: int, seed: int, heldout_fraction: float, agent_share: float,
+              habits: DemoHabits | None = None) -> Iterator[list[Segment]]:
+    """``n`` documents, a share ``agent_share`` of them agent transcripts, the rest function documents."""
+    rng = random.Random(seed + 70_001)
+    fdocs = function_corpus(n, seed=seed, heldout_fraction=heldout_fraction)
+    tdocs = transcripts(n, seed=seed, heldout_fraction=heldout_fraction, habits=habits)
+    for _ in range(n):
+        yield next(tdocs) if rng.random() < agent_share else function_segments(next(fdocs))
+
+
+def token_batches(tokenizer, docs: Iterable[list[Segment]], batch_tokens: int) -> Iterator[list[list[int]]]:
+    """Batches of token-id lists whose padded size (rows x longest row) stays within ``batch_tokens``.
+
+    Documents are drawn a pool at a time and sorted by length, so rows of a batch have similar lengths;
+    the batches of a pool are then shuffled so long and short ones alternate."""
+    it = iter(docs)
+    rng = random.Random(0)
+    while True:
+        pool = []
+        budget = batch_tokens * POOL_BATCHES
+        for segs in it:
+            ids = segment_ids(tokenizer, segs)
+            pool.append(ids)
+            budget -= len(ids)
+            if budget <= 0:
+                break
+        if not pool:
+            return
+        pool.sort(key=len)
+        batches, cur = [], []
+        for ids in pool:
+            if cur and (len(cur) + 1) * max(len(ids), len(cur[-1])) > batch_tokens:
+                batches.append(cur)
+                cur = []
+            cur.append(ids)
+        if cur:
+            batches.append(cur)
+        rng.shuffle(batches)
+        yield from batches
+
+
+def midtrain_batches(tokenizer, cfg: MidtrainSettings, heldout_fraction: float) -> Iterator[list[list[int]]]:
+    habits = DemoHabits(**cfg.demo_habits) if cfg.demo_habits else None
+    return token_batches(tokenizer, documents(1 << 40, cfg.seed, heldout_fraction, cfg.agent_share, habits),
+                         cfg.batch_tokens)
+
+
+def tokenizer_texts(n: int, seed: int, heldout_fraction: float = 0.2) -> list[str]:
+    """What the tiny model's tokenizer is trained on: both kinds of documents, as plain text."""
+    half = max(1, n // 2)
+    texts = list(function_corpus(half, seed=seed, heldout_fraction=heldout_fraction))
+    texts += [transcript_text(t) for t in transcripts(half // 2, seed=seed, heldout_fraction=heldout_fraction)]
+    return texts
+
+
+def build_default_model(out_dir: str | Path, cfg: TinyModelSettings | None = None, *, moe: bool = False) -> Path:
+    """The tiny default model, its tokenizer trained on this corpus (see :func:`policy.tiny.build_tiny_model`;
+    ``moe``: its mixture-of-experts variant)."""
+    cfg = cfg or TinyModelSettings()
+    return build_tiny_model(out_dir, cfg, tokenizer_texts(cfg.corpus_examples, cfg.seed), moe=moe)

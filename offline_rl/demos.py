@@ -1,0 +1,185 @@
+"""Agent transcripts for mid-training: a scripted demonstrator of mixed care, run in the real environment.
+
+Mid-training has to teach the tool protocol and the code idioms; it must not teach the best way to
+use them, which is what RL is for. The transcripts therefore come from a demonstrator whose habits
+vary from episode to episode, like logs collected from many people and agents: it runs the tests
+first or starts by looking around, sometimes edits before it has seen what the tests want, verifies
+its edit or submits at once, retries after a failing run or gives up, finds code with ``grep`` or by
+opening files one by one, and sometimes writes a plausible wrong fix. Each habit is a probability in
+:class:`DemoHabits` (``midtrain.demo_*`` settings).
+
+A model that imitates these transcripts learns the protocol and the mixture of habits; continued
+imitation cannot learn more than the mixture, and sampling it at a lower temperature only sharpens
+the mixture's most common choices. Which habits pay off (test before editing, verify, retry after a
+failure) is left for the reward to teach.
+
+The transcripts run against :class:`~offline_rl.agent_env.RepoEnv` with the in-process
+:class:`~offline_rl.agent_env.TrustedTests` runner: the demonstrator's code is generated here, so its
+observations are exactly what the sandboxed environment would show, at a fraction of the cost.
+Only training tasks are used, so no held-out function or its solution is in the corpus.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from offline_rl.agent_env import RepoEnv, RepoState, TrustedTests, header
+from offline_rl.repo_tasks import FAMILIES, RepoTask, define, is_test_file, make_repo_task, module_of
+from offline_rl.tasks import FunctionSpec, split_specs
+
+
+@dataclass(frozen=True)
+class DemoHabits:
+    """How often the demonstrator does each thing (a probability per decision)."""
+
+    test_first: float = 0.2
+    """Run the tests before anything else (otherwise the tests run, if at all, right before an edit)."""
+    look_around: float = 0.3
+    """Start with ``ls``."""
+    blind_edit: float = 0.5
+    """About to change a body without having seen what the tests want: edit anyway (a guess)."""
+    grep: float = 0.6
+    """Find the code with ``grep`` (otherwise open files one by one)."""
+    verify: float = 0.4
+    """Run the tests after an edit (otherwise submit at once)."""
+    retry: float = 0.4
+    """After a failing run that followed an edit, edit again (otherwise submit anyway)."""
+    correct: float = 0.8
+    """An informed edit writes the right line (otherwise a plausible wrong one)."""
+    max_edits: int = 4
+
+
+Segment = tuple[str, bool]
+"""(text, written by the agent): environment text and agent lines are tokenized separately, as
+the rollout loop sees them."""
+
+
+@dataclass(frozen=True)
+class _Edit:
+    """One line to rewrite: the file, the function whose ``def`` line it is, the right and a wrong text."""
+
+    path: str
+    find: str
+    right: str
+    wrong: str
+    needs_tests: bool  # the right text needs the wanted values (a body to infer), not only names
+
+
+def _edits(task: RepoTask, wrong_body) -> list[_Edit]:
+    ref = task.metadata["reference"]
+    if task.family == "rename":
+        new, caller = task.tests[0], task.tests[-1]
+        old = task.issue.split()[1]
+        src = next(p for p in task.files if module_of(p) == new.module and not is_test_file(p))
+        use = next(p for p in task.files if module_of(p) == caller.module and not is_test_file(p))
+        call = f"{new.module}.{new.function}(x)"
+        return [_Edit(src, old, define(new.function, ref), define(new.function, wrong_body(ref)), False),
+                _Edit(use, caller.function, define(caller.function, call + "+1"), define(caller.function, call),
+                      False)]
+    t = task.tests[0]
+    path = next(p for p in task.files if module_of(p) == t.module and not is_test_file(p))
+    return [_Edit(path, t.function, define(t.function, ref), define(t.function, wrong_body(ref)), True)]
+
+
+class Demonstrator:
+    """Plays one episode of a training task with its habits drawn per decision."""
+
+    def __init__(self, habits: DemoHabits, specs: list[FunctionSpec], rng: random.Random):
+        self.h, self.specs, self.rng = habits, specs, rng
+        self.env = RepoEnv(TrustedTests(), max_turns=16)
+
+    def _wrong(self, body: str) -> str:
+        family = next((s.family for s in self.specs if s.expr == body), None)
+        pool = [s.expr for s in self.specs if s.family == family and s.expr != body] or \
+               [s.expr for s in self.specs if s.expr != body]
+        return self.rng.choice(pool)
+
+    def _do(self, st: RepoState, segs: list[Segment], action: str) -> None:
+        segs.append((action + "\n", True))
+        obs = self.env.step(st, action)
+        if obs:
+            segs.append((obs, False))
+
+    @staticmethod
+    def _line_of(st: RepoState, path: str, name: str) -> int:
+        lines = st.files.get(path, "").splitlines()
+        for n, line in enumerate(lines, 1):
+            if line.startswith(f"def {name}("):
+                return n
+        return len(lines) + 1
+
+    def _locate(self, st: RepoState, segs: list[Segment], edit: _Edit, seen: set[str]) -> None:
+        """Look at the code before editing it: grep for the definition or open files in turn."""
+        if edit.path in seen:
+            return
+        if self.rng.random() < self.h.grep and f"def {edit.find}(" in st.files.get(edit.path, ""):
+            self._do(st, segs, f"grep def {edit.find}")
+            seen.add(edit.path)
+            return
+        sources = [p for p in sorted(st.files) if not is_test_file(p) and p != edit.path]
+        self.rng.shuffle(sources)
+        for p in [*sources[:self.rng.randrange(len(sources) + 1)], edit.path]:
+            if st.done:
+                return
+            if p not in seen:
+                self._do(st, segs, f"cat {p}")
+                seen.add(p)
+
+    def episode(self, task: RepoTask) -> list[Segment]:
+        h, rng = self.h, self.rng
+        st = self.env.reset(task)
+        segs: list[Segment] = [(header(task), False)]
+        todo = _edits(task, self._wrong)
+        informed, seen, edits = False, set(), 0
+        if rng.random() < h.test_first:
+            self._do(st, segs, "test")
+            informed = True
+        if rng.random() < h.look_around:
+            self._do(st, segs, "ls")
+        while todo and not st.done and edits < h.max_edits:
+            edit = todo[0]
+            self._locate(st, segs, edit, seen)
+            if st.done:
+                break
+            if edit.needs_tests and not informed and rng.random() >= h.blind_edit:
+                self._do(st, segs, "test")
+                informed = True
+            right = (informed or not edit.needs_tests) and rng.random() < h.correct
+            line = self._line_of(st, edit.path, edit.find)
+            self._do(st, segs, f"edit {edit.path} {line} {edit.right if right else edit.wrong}")
+            edits += 1
+            if right:
+                todo.pop(0)
+                if todo:
+                    continue  # the second place of a rename
+            if st.done or rng.random() >= h.verify:
+                break
+            self._do(st, segs, "test")
+            informed = True
+            if st.turns[-1].tests_passed or rng.random() >= h.retry:
+                break
+            if not todo:  # the last edit was right but tests still fail (an earlier wrong one): redo all
+                todo = _edits(task, self._wrong)
+        if not st.done:
+            self._do(st, segs, "submit")
+        return segs
+
+
+def transcripts(n: int, seed: int = 0, heldout_fraction: float = 0.2,
+                habits: DemoHabits | None = None) -> Iterator[list[Segment]]:
+    """``n`` transcripts over freshly drawn *training* tasks (held-out functions never appear)."""
+    habits = habits or DemoHabits()
+    train_specs, _ = split_specs(seed, heldout_fraction)
+    rng = random.Random(seed + 50_021)
+    demo = Demonstrator(habits, train_specs, rng)
+    for i in range(n):
+        family = FAMILIES[i % len(FAMILIES)]
+        spec = train_specs[rng.randrange(len(train_specs))]
+        task = make_repo_task(family, spec, train_specs, rng, f"demo-{i}", "train")
+        yield demo.episode(task)
+
+
+def transcript_text(segs: list[Segment]) -> str:
+    return "".join(text for text, _ in segs)
