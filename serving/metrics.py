@@ -22,6 +22,10 @@ class GatewayMetrics:
         self.batch_rows = Histogram("rtrl_engine_batch_rows", "Sequences per engine generate call.",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.engine_queue = Gauge("rtrl_engine_queue_rows", "Sequences waiting for the engine.", registry=r)
+        self.engine_up = Gauge("rtrl_engine_up", "1 while the engine (process) can generate; 0 while a dead "
+                               "engine process is being restarted.", registry=r)
+        self.engine_restarts = Counter("rtrl_engine_restarts_total", "Engine processes restarted after dying.",
+                                       registry=r)
         self.swap_pause = Histogram("rtrl_swap_pause_seconds", "Serving pause of a version swap.",
                                     buckets=_MS_BUCKETS, registry=r)
         self.swaps = Counter("rtrl_swaps_total", "Version swaps by channel.", ["channel"], registry=r)
@@ -41,6 +45,14 @@ class GatewayMetrics:
                                       registry=r)
         self.events_replayed = Counter("rtrl_events_replayed_total", "Spilled events delivered later.",
                                        registry=r)
-        self.spill_depth = Gauge("rtrl_events_spill_depth", "Events waiting in the spill file.", registry=r)
-        self.event_queue = Gauge("rtrl_events_queue_depth", "Events waiting in memory.", registry=r)
+        self.spill_depth = Gauge("rtrl_events_spill_depth", "Events waiting in the spill (and overflow) file.",
+                                 registry=r)
+        self.spill_errors = Counter("rtrl_events_spill_errors_total", "Spill or overflow writes that failed "
+                                    "(disk full, quota, I/O error); the events wait in memory meanwhile.",
+                                    registry=r)
+        self.spill_failing = Gauge("rtrl_events_spill_failing", "1 while the last write to the spill "
+                                   "directory failed.", registry=r)
+        self.events_dropped = Counter("rtrl_events_dropped_total", "Events lost: the in-memory buffer was "
+                                      "full and the spill directory refused them too.", registry=r)
+        self.event_queue = Gauge("rtrl_events_queue_depth", "Events waiting in memory (buffered or held by the sender).", registry=r)
         self.bus_up = Gauge("rtrl_bus_up", "1 when the last bus send succeeded.", registry=r)

@@ -264,3 +264,15 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    status: Literal["ready", "not_ready"]
+    versions: dict[str, str] = Field(description="The version live on each channel.")
+    bus_up: bool = Field(description="Whether the last send to the event bus succeeded.")
+    events_pending: int = Field(description="Events accepted but not yet on the bus.")
+    watcher_error: str | None = Field(description="The version watcher's last error, if its last poll failed.")

@@ -106,6 +106,8 @@ class Engine(ABC):
         self.swap_pauses_s: list[float] = []  # swaps only (a channel's first load is start-up)
         self.batches_run = 0
         self._start_worker()
+        if metrics is not None:
+            metrics.engine_up.set(1)
 
     def _start_worker(self) -> None:
         """Start what runs the batches: here the batcher thread (an engine may drive them otherwise)."""

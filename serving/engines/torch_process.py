@@ -107,12 +107,28 @@ class ProcessTorchEngine(TorchEngine):
         self._timer: asyncio.TimerHandle | None = None
         self._pump_soon = False
         self._dead: str | None = None  # why the child is gone
+        self._died_at = 0.0
         self._drained: Future | None = None  # set by close(): resolved when no batch is in flight
         self._slots = itertools.count(1)
+        self._slot_refs: dict[int, VersionRef] = {}  # what each slot in the child holds (to reload after a restart)
+        self.restarts = 0
+        self.last_restart_s: float | None = None  # how long the last restart took (death to serving again)
         super().__init__(settings, metrics)
 
     # -- the child process and the loop thread ----------------------------------------------------------
     def _start_worker(self) -> None:
+        self._ctl_lock = threading.Lock()
+        self._proc, self._gen, self._ctl = self._spawn_child()
+        self._frames = Frames(self._gen.fileno())
+        self.loop = new_event_loop()
+        started = threading.Event()
+        self._worker = threading.Thread(target=self._run_loop, args=(started,), name="torch-engine-loop",
+                                        daemon=True)
+        self._worker.start()
+        started.wait()
+
+    def _spawn_child(self):
+        """A new engine process and the parent's ends of its two pipes: (process, gen, ctl)."""
         import multiprocessing
 
         from serving.engines import torch_worker
@@ -120,22 +136,15 @@ class ProcessTorchEngine(TorchEngine):
         # spawn, not fork: this process runs threads (server, emitter, watcher) that fork would clone
         # mid-state.
         ctx = multiprocessing.get_context("spawn")
-        self._gen, gen_child = ctx.Pipe()
-        self._ctl, ctl_child = ctx.Pipe()
+        gen, gen_child = ctx.Pipe()
+        ctl, ctl_child = ctx.Pipe()
         m = self.settings.model
-        self._proc = ctx.Process(target=torch_worker.main, args=(gen_child, ctl_child, m.threads, m.dtype, m.device),
-                                 name="rtrl-torch-engine", daemon=True)
-        self._proc.start()
+        proc = ctx.Process(target=torch_worker.main, args=(gen_child, ctl_child, m.threads, m.dtype, m.device),
+                           name="rtrl-torch-engine", daemon=True)
+        proc.start()
         gen_child.close()
         ctl_child.close()
-        self._frames = Frames(self._gen.fileno())
-        self._ctl_lock = threading.Lock()
-        self.loop = new_event_loop()
-        started = threading.Event()
-        self._worker = threading.Thread(target=self._run_loop, args=(started,), name="torch-engine-loop",
-                                        daemon=True)
-        self._worker.start()
-        started.wait()
+        return proc, gen, ctl
 
     def _run_loop(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
@@ -156,12 +165,15 @@ class ProcessTorchEngine(TorchEngine):
         return super().ready and self._dead is None and self._proc.is_alive()
 
     # -- loading (caller's thread, over the ctl pipe) ---------------------------------------------------
-    def _load_remote(self, model_dir) -> tuple[int, dict]:
+    def _load_remote(self, model_dir, ctl=None) -> tuple[int, dict]:
+        """Load ``model_dir`` into a new slot of the child (``ctl``: a new child's pipe, during a restart;
+        the caller then holds ``_ctl_lock``)."""
         slot = next(self._slots)
-        with self._ctl_lock:
+        with contextlib.nullcontext() if ctl is not None else self._ctl_lock:
+            conn = ctl if ctl is not None else self._ctl
             try:
-                self._ctl.send(("load", slot, str(model_dir)))
-                status, info = self._ctl.recv()
+                conn.send(("load", slot, str(model_dir)))
+                status, info = conn.recv()
             except (EOFError, OSError) as err:
                 raise EngineClosed(f"the torch engine process is gone ({err!r})") from None
         if status != "ok":
@@ -170,6 +182,7 @@ class ProcessTorchEngine(TorchEngine):
 
     def _prepare(self, ref: VersionRef, channel: str) -> Any:
         slot, info = self._load_remote(ref.model_dir)
+        self._slot_refs[slot] = ref
         try:
             self._adopt(ref, info["vocab_size"], info["context_len"])
         except ValueError:
@@ -179,6 +192,7 @@ class ProcessTorchEngine(TorchEngine):
         return slot
 
     def _release(self, handle: TorchHandle) -> None:  # on the loop, between batches: the gen pipe is ours
+        self._slot_refs.pop(handle.model, None)
         with contextlib.suppress(EOFError, OSError):  # the process is gone, and its models with it
             self._gen.send(("free", handle.model))
 
@@ -366,15 +380,75 @@ class ProcessTorchEngine(TorchEngine):
                 self._pump()
 
     def _child_gone(self, err: BaseException) -> None:
-        """The engine process died: every request in flight or waiting gets 503 (EngineClosed); the
-        engine stays not ready (the gateway's /readyz says so) until the gateway is restarted."""
-        self._dead = f"the torch engine process is gone ({err!r})"
-        log.error("%s; failing %d queued requests", self._dead, len(self._queue))
+        """The engine process died: every request in flight or waiting gets 503 (EngineClosed), new ones
+        too while a new process starts and reloads the versions that were live (on a thread of its own:
+        this loop is the HTTP server's). The engine is not ready (``/readyz`` 503) until it serves again."""
+        if self._dead is not None:
+            return
+        code = self._proc.exitcode if not self._proc.is_alive() else None
+        how = f"exit status {code}" if code is not None else repr(err)
+        self._dead = f"the torch engine process died ({how}); restarting it"
+        self._died_at = time.monotonic()
+        log.error("%s; failing %d queued requests", self._dead, len(self._queue) + (self._inflight is not None))
         with contextlib.suppress(ValueError, OSError):
             self.loop.remove_reader(self._gen.fileno())
         self._fail_all(EngineClosed(self._dead))
         if self._drained is not None:
             _settle(self._drained)
+            return
+        if self.metrics is not None:
+            self.metrics.engine_up.set(0)
+        live = {channel: (handle.version, self._slot_refs.get(handle.model)) for channel, handle in self._handles.items()}
+        threading.Thread(target=self._restart, args=(live,), name="torch-engine-restart", daemon=True).start()
+
+    def _restart(self, live: dict[str, tuple[str, VersionRef | None]]) -> None:
+        """Start a new engine process and load ``live`` (channel -> version, ref) into it, retrying with a
+        growing pause until it works or the engine is closed; then hand it to the loop (``_adopt_child``)."""
+        pause = 0.5
+        while not self._closed:
+            proc = None
+            try:
+                with self._ctl_lock:  # no load() may use the old pipe meanwhile
+                    proc, gen, ctl = self._spawn_child()
+                    handles = {}
+                    for channel, (version, ref) in live.items():
+                        if ref is None:
+                            raise RuntimeError(f"no record of what channel {channel} served")
+                        slot, _ = self._load_remote(ref.model_dir, ctl)
+                        handles[channel] = (TorchHandle(version, slot), ref)
+                    old = (self._proc, self._gen, self._ctl)
+                    self._proc, self._ctl = proc, ctl
+                with contextlib.suppress(OSError):
+                    old[1].close()
+                    old[2].close()
+                self.loop.call_soon_threadsafe(self._adopt_child, gen, handles)
+                return
+            except BaseException as err:  # noqa: BLE001 - retried; the gateway stays not ready meanwhile
+                log.exception("restarting the torch engine process failed (%s); retrying in %.1f s", err, pause)
+                if proc is not None and proc.is_alive():
+                    proc.kill()
+                time.sleep(pause)
+                pause = min(pause * 2, 30.0)
+
+    def _adopt_child(self, gen, handles: dict[str, tuple[TorchHandle, VersionRef]]) -> None:
+        """On the loop: serve from the new process."""
+        if self._closed:
+            with contextlib.suppress(OSError):
+                gen.close()
+            return
+        self._gen, self._frames = gen, Frames(gen.fileno())
+        self._handles = {channel: handle for channel, (handle, _) in handles.items()}
+        self._slot_refs = {handle.model: ref for handle, ref in handles.values()}
+        self.loop.add_reader(gen.fileno(), self._on_readable)
+        self.restarts += 1
+        self.last_restart_s = time.monotonic() - self._died_at
+        with self._admit:
+            self._dead = None
+        if self.metrics is not None:
+            self.metrics.engine_restarts.inc()
+            self.metrics.engine_up.set(1)
+        log.warning("torch engine process restarted in %.1f s, serving %s", self.last_restart_s, self.versions())
+        self._pump()
 
     def _fail_all(self, error: BaseException) -> None:
         if self._inflight is not None:

