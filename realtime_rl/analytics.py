@@ -152,3 +152,17 @@ def edit_distance_by_version(engine: sa.Engine) -> pd.DataFrame:
     return pd.DataFrame({"n_edits": g.size(), "mean_distance": g["distance"].mean(),
                          "median_distance": g["distance"].median(),
                          "mean_relative": g["relative"].mean()}).reset_index()[cols]
+
+
+def accept_rate_by_group(engine: sa.Engine, groups: dict[str, str]) -> pd.DataFrame:
+    """Per (version, group): counts, the accept rate and its 95% CI, where ``groups`` maps a caller
+    (API key id) to a group name, e.g. a kind of user; callers not in the map form ``(other)``."""
+    df = read_view(engine, "v_feedback_latest")
+    cols = ["version", "group", "n_feedback", "n_accept", "accept_rate"]
+    if df.empty:
+        return _with_ci(pd.DataFrame(columns=cols).astype({"n_feedback": "int64", "n_accept": "int64"}))
+    df = df.assign(group=df["caller"].map(groups).fillna("(other)"))
+    g = df.groupby(["version", "group"])["accepted"]
+    out = pd.DataFrame({"n_feedback": g.size(), "n_accept": g.sum()}).reset_index()
+    out = out.assign(accept_rate=out["n_accept"] / out["n_feedback"])
+    return _with_ci(out[cols])

@@ -13,6 +13,13 @@
   state, fitted by ridge regression on the batch rewards, cross-fitted over two folds so the head
   that scores example i never saw r_i. A departure from the usual jointly trained value network:
   a closed-form fit on frozen features is exact, fast, and cannot destabilise the policy update.
+
+With the bucket mean, the **caller-centred** term (:func:`caller_centred`) adds each caller's own mean
+residual: b_i += Σ_{j∈c(i), j≠i} (r_j − m_{b(j)}) / (n_c(i) − 1 + k). A caller who rejects (or accepts)
+everything has residuals that are all alike, so its advantages shrink towards 0 as its count grows:
+it cannot steer the update, and a strict or lenient honest user's bias is removed the same way. Like
+the bucket mean it is leave-one-out, so b_i does not depend on r_i. Kept-text examples (not draws of
+any version) neither enter these means nor are left out of them.
 """
 
 from __future__ import annotations
@@ -44,22 +51,63 @@ def bucket_mean_advantages(examples: Sequence[TrainingExample], history: dict[st
     """(advantages, baselines) with the leave-one-out running mean per bucket (see module docstring)."""
     batch: dict[str, BucketStats] = defaultdict(BucketStats)
     for e in examples:
-        batch[e.bucket].reward_sum += e.reward
-        batch[e.bucket].count += 1
+        if e.source == "served":
+            batch[e.bucket].reward_sum += e.reward
+            batch[e.bucket].count += 1
     adv, base = [], []
     for e in examples:
         h = history.get(e.bucket, BucketStats())
-        s = h.reward_sum + batch[e.bucket].reward_sum - e.reward
-        n = h.count + batch[e.bucket].count - 1
+        own = e.source == "served"
+        s = h.reward_sum + batch[e.bucket].reward_sum - (e.reward if own else 0.0)
+        n = h.count + batch[e.bucket].count - own
         b = s / n if n > 0 else prior
         base.append(b)
         adv.append(e.reward - b)
     return adv, base
 
 
-def merge_batch(history: dict[str, BucketStats], examples: Sequence[TrainingExample]) -> dict[str, BucketStats]:
-    out = {k: BucketStats(v.reward_sum, v.count) for k, v in history.items()}
+def caller_centred(examples: Sequence[TrainingExample], history: dict[str, BucketStats], prior: float,
+                   prior_count: float) -> tuple[list[float], list[float]]:
+    """(advantages, baselines): the bucket mean plus the caller's own mean residual, both leave-one-out.
+
+    b_i = m_{b(i)}^{−i} + Σ_{j∈c(i), j≠i} (r_j − m_{b(j)}^{−i}) / (n_{c(i)} − 1 + k), where m_b^{−i} is
+    bucket b's running mean without example i; so no part of b_i depends on r_i."""
+    sums: dict[str, BucketStats] = {b: BucketStats(h.reward_sum, h.count) for b, h in history.items()}
+    cells: dict[str, dict[str, BucketStats]] = defaultdict(lambda: defaultdict(BucketStats))
     for e in examples:
+        if e.source == "served":
+            sums.setdefault(e.bucket, BucketStats())
+            sums[e.bucket].reward_sum += e.reward
+            sums[e.bucket].count += 1
+            cells[e.example.caller][e.bucket].reward_sum += e.reward
+            cells[e.example.caller][e.bucket].count += 1
+
+    def mean_without(bucket: str, r: float | None) -> float:
+        st = sums.get(bucket, BucketStats())
+        n = st.count - (r is not None)
+        return (st.reward_sum - (r or 0.0)) / n if n > 0 else prior
+
+    adv, base = [], []
+    for e in examples:
+        own = e.reward if e.source == "served" else None
+        resid, n = 0.0, 0.0
+        for bucket, st in cells[e.example.caller].items():
+            same = own is not None and bucket == e.bucket
+            k = st.count - same
+            if k > 0:
+                m = mean_without(bucket, own if bucket == e.bucket else None)
+                resid += st.reward_sum - (own if same else 0.0) - k * m
+                n += k
+        b = mean_without(e.bucket, own) + (resid / (n + prior_count) if n > 0 and n + prior_count > 0 else 0.0)
+        base.append(b)
+        adv.append(e.reward - b)
+    return adv, base
+
+
+def merge_batch(history: dict[str, BucketStats], examples: Sequence[TrainingExample]) -> dict[str, BucketStats]:
+    """The persisted bucket means plus this batch's served examples (kept texts are no draws)."""
+    out = {k: BucketStats(v.reward_sum, v.count) for k, v in history.items()}
+    for e in (e for e in examples if e.source == "served"):
         st = out.setdefault(e.bucket, BucketStats())
         st.reward_sum += e.reward
         st.count += 1

@@ -72,6 +72,10 @@ class IngestSettings(Section):
     """`rtrl ingest`: bus -> feedback tables with exactly-once effect."""
 
     group: str = Field("rtrl-ingest", description="Consumer group; its offsets live in `consumer_offsets`.")
+    partition_assignment: Literal["all", "group"] = Field(
+        "all", description="all: this ingester reads every partition (one ingester per group); group: the "
+        "ingesters of `group` share the partitions through Kafka's consumer-group protocol, and a member "
+        "that joins or dies triggers a rebalance (Kafka bus only).")
     start_from: Literal["earliest", "latest"] = Field(
         "earliest", description="Where a group with no stored offset starts on a partition.")
     batch_max_records: int = Field(5000, ge=1, description="Most records written in one database transaction.")
@@ -87,6 +91,10 @@ class IngestSettings(Section):
                                 "multi-row INSERT OR FAIL statements of up to 256 rows. Off: multi-row INSERTs through SQLAlchemy (slower, "
                                 "same rows).")
     log_every_s: float = Field(10.0, gt=0, description="Progress line interval in follow mode.")
+    routes_model_dir: str | None = Field(None, description="Model directory whose config.json gives the MoE "
+                                         "geometry (layers, experts, top-k) that completion events' routes are "
+                                         "checked against (None: model.dir). Without a config.json there, a route "
+                                         "record is checked against its own shape and expert count only.")
     gc_threshold: int = Field(100_000, ge=0, description="Python's generation-0 GC threshold while ingesting "
                               "(0: leave the interpreter's 700). A batch keeps ~20 objects per event alive, and "
                               "at 700 the cyclic collector rescans them over and over: ~30% of ingest CPU measured. "
@@ -102,13 +110,38 @@ class UpdateSettings(Section):
                               "of the completion the user kept (difflib ratio); off: edits count as rejects.")
     use_explicit_score: bool = Field(False, description="When a feedback carries `score` in [-1, 1], use it "
                                      "(scaled to [reward_reject, reward_accept]) instead of the signal.")
-    on_policy_only: bool = Field(True, description="Train only on completions served by the current production "
-                                 "version (off: older versions are admitted with importance correction).")
-    max_version_lag: int = Field(2, ge=0, description="With on_policy_only off: oldest admitted version, "
+    on_policy_only: bool = Field(False, description="Train only on completions served by the current production "
+                                 "version (off: completions of the last max_version_lag productions whose "
+                                 "feedback arrived since the last release, such as late feedback on the version "
+                                 "a release replaced, are admitted, importance-corrected against the version "
+                                 "that served them).")
+    max_version_lag: int = Field(1, ge=0, description="With on_policy_only off: oldest admitted version, "
                                  "counted in releases back from production.")
     max_age_hours: float = Field(24.0, gt=0, description="With on_policy_only off: drop completions older "
                                  "than this.")
+    feedback_horizon_hours: float = Field(24.0, gt=0, description="Feedback that arrived more than this long "
+                                          "after its completion is not trained on (counted as late), and "
+                                          "feedback still waiting this long for its completion is counted as "
+                                          "orphaned.")
     max_examples: int = Field(4096, ge=1, description="Most training examples per update (newest first).")
+    caller_weight_power: float = Field(0.5, ge=0, le=1, description="Example weights ∝ (examples of the same "
+                                       "caller in the batch)^-power: 0 lets a caller's say grow with its "
+                                       "volume, 1 gives every caller the same total weight.")
+    bucket_weight_power: float = Field(0.5, ge=0, le=1, description="The same for task buckets, so a bucket "
+                                       "that is busy at this time of day does not dominate the update.")
+    caller_baseline_prior: float = Field(8.0, ge=0, description="Caller-centred baseline: a caller's own mean "
+                                         "reward residual enters its examples' baseline with weight n/(n + "
+                                         "this), n = its other examples in the batch (0: off). A caller who "
+                                         "judges everything alike then carries almost no advantage.")
+    kept_text_weight: float = Field(1.0, ge=0, description="An edit's kept text is trained on as an accepted "
+                                    "completion with this weight (its served completion then counts as a "
+                                    "reject); 0: edits only carry their graded reward.")
+    negative_advantage_scale: float = Field(0.25, ge=0, le=1, description="Multiplies negative advantages: a "
+                                            "rejected single sample says what not to write but not what to write "
+                                            "instead, and pushing it down spreads its probability over every other "
+                                            "answer (1: plain REINFORCE).")
+    max_kept_tokens: int = Field(64, ge=1, description="Kept texts longer than this many tokens are not trained "
+                                 "on (counted as unusable).")
     caller_cap_share: float = Field(0.25, gt=0, le=1, description="No caller contributes more than this share "
                                     "of a batch (extra examples of that caller are dropped, newest kept).")
     heldout_fraction: float = Field(0.2, ge=0, lt=1, description="Share of logged feedback held out (by "
@@ -121,6 +154,11 @@ class UpdateSettings(Section):
         "raw", description="Which logged log-prob is μ: `raw` (temperature 1, what the trainer recomputes: "
         "ρ = 1 at the serving weights) or `sampling` (the transformed distribution actually sampled).")
     is_level: Literal["token", "sequence"] = Field("token", description="Importance ratio per token or per sequence.")
+    router_replay: Literal["off", "replay"] = Field(
+        "replay", description="Mixture-of-experts models: `replay` forces the experts the gateway logged for each "
+        "position in every forward pass of the update (gate weights recomputed from the live router logits, so the "
+        "router still learns); `off` lets the routers choose again (the logged routes are only compared). No "
+        "effect on dense models or on completions logged without routes.")
     clip: float | None = Field(0.2, gt=0, description="PPO ratio clip ε around μ (None: truncated-IS REINFORCE).")
     tis_cap: float = Field(2.0, gt=0, description="C: truncation of the importance weight (dual-clip cap).")
     kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL to the serving version (0 = off).")
@@ -156,13 +194,27 @@ class ReleaseGateSettings(Section):
                               "realised accept rate.")
     use_lower_bound: bool = Field(False, description="Compare the CI's lower bound instead of the point estimate.")
     min_heldout: int = Field(32, ge=1, description="Fewer held-out logged examples than this fails the gate.")
+    min_ess_share: float = Field(0.02, ge=0, le=1, description="The off-policy estimate's effective sample size "
+                                 "(Σw)²/Σw² must be at least this share of the held-out examples; below it a few "
+                                 "extreme importance weights carry the estimate and the gate refuses.")
     ci: Literal["bootstrap", "normal"] = Field("bootstrap", description="Confidence interval method.")
     ci_level: float = Field(0.95, gt=0, lt=1, description="Confidence level.")
     bootstrap_samples: int = Field(1000, ge=100, description="Bootstrap resamples.")
     canary_share: float = Field(0.0, ge=0, lt=1, description="Share of callers served the candidate before "
-                                "promotion (0: promote at once). With a canary, promotion waits for "
-                                "canary_min_feedback feedbacks whose accept rate is not below production's.")
-    canary_min_feedback: int = Field(100, ge=1, description="Canary feedbacks needed before promotion.")
+                                "promotion (0: promote at once). With a canary, later cycles promote it or roll it back by a "
+                                "sequential test on the feedback it gets (the canary_* fields).")
+    canary_min_feedback: int = Field(100, ge=1, description="Canary judgements before the sequential test may "
+                                     "decide.")
+    canary_max_feedback: int = Field(2000, ge=1, description="Canary judgements after which an undecided test "
+                                     "ends: promote if the canary did at least as well as production, else roll "
+                                     "back.")
+    canary_margin: float = Field(0.02, ge=0, lt=1, description="Non-inferiority margin: the sequential test "
+                                 "promotes once it shows the canary's accept rate is not below production's by "
+                                 "more than this.")
+    canary_alpha: float = Field(0.05, gt=0, lt=1, description="Error rate of each of the sequential test's two "
+                                "verdicts, however often it looks.")
+    canary_tau: float = Field(0.05, gt=0, description="Spread of the accept-rate differences the mixture test "
+                          "is tuned to detect (the N(0, τ²) mixture of the mSPRT).")
 
 
 class ScheduleSettings(Section):
@@ -179,16 +231,55 @@ class ScheduleSettings(Section):
 
 
 class SimUsersSettings(Section):
-    """Simulated users for development, tests and `rtrl bench online`."""
+    """Simulated users for development, tests, the demo and `rtrl bench online` (realtime_rl/simusers.py)."""
 
+    population: Literal["realistic", "simple"] = Field(
+        "realistic", description="`realistic`: users of several kinds with noise, sparse and late feedback, "
+        "edits, a moving traffic mix and optional adversarial users (the fields below). `simple`: every user "
+        "wants correct answers in the spaced style (strictness only), judges every completion at once.")
     n_users: int = Field(16, ge=1, description="Callers, each with its own API key.")
     seed: int = Field(0, description="Seed for preferences and traffic.")
+    style_share: float = Field(0.4, ge=0, description="Realistic: relative share of honest users who want "
+                               "correct answers in the spaced style.")
+    brevity_share: float = Field(0.2, ge=0, description="Realistic: relative share of honest users who want "
+                                 "correct answers with no redundant characters (spacing is free).")
+    correctness_share: float = Field(0.4, ge=0, description="Realistic: relative share of honest users who "
+                                     "accept any correct answer.")
+    adversarial_share: float = Field(0.0, ge=0, le=1, description="Realistic: share of all users whose feedback "
+                                     "is adversarial (half reject everything, half accept everything).")
+    adversarial_activity: float = Field(2.0, gt=0, description="Realistic: how many times more requests an "
+                                        "adversarial user sends than a typical honest one (loud users).")
+    activity_sigma: float = Field(0.5, ge=0, description="Realistic: honest users' request rates are "
+                                  "log-normal with this sigma (a few users send much of the traffic).")
+    noise_max: float = Field(0.1, ge=0, le=0.5, description="Realistic: each honest user flips its own verdict "
+                             "with a probability drawn from U[0, noise_max].")
+    feedback_rate_min: float = Field(0.3, ge=0, le=1, description="Realistic: each honest user gives feedback "
+                                     "on a completion with a probability drawn from U[min, max]; the rest "
+                                     "never get any.")
+    feedback_rate_max: float = Field(0.9, ge=0, le=1, description="Realistic: upper bound of that probability.")
+    delay_probability: float = Field(0.3, ge=0, le=1, description="Realistic: share of honest feedback sent "
+                                     "late, with a later chunk of traffic (possibly after a release).")
+    max_delay_chunks: int = Field(3, ge=1, description="Realistic: late feedback goes out 1..this many traffic "
+                                  "chunks (bench: cycles) after its completion.")
     style_strictness_min: float = Field(0.8, ge=0, le=1, description="Per-user probability of rejecting a "
                                         "correct answer not written in the spaced style: lower bound.")
     style_strictness_max: float = Field(1.0, ge=0, le=1, description="… upper bound (uniform per user).")
-    edit_probability: float = Field(0.0, ge=0, le=1, description="Chance a user edits (keeps part of) a "
-                                    "rejected answer instead of rejecting it outright.")
-    requests_per_cycle: int = Field(512, ge=1, description="Completions requested per simulated cycle.")
+    edit_probability: float = Field(0.0, ge=0, le=1, description="Chance a user edits a rejected answer instead "
+                                    "of rejecting it (simple preset: keeps part of it; realistic: brevity and "
+                                    "correctness users rewrite it into the answer they wanted).")
+    style_edit_probability: float = Field(0.5, ge=0, le=1, description="Realistic: the same chance for style "
+                                          "users (they rewrite the answer into the spaced style).")
+    day_length: int = Field(256, ge=0, description="Realistic: requests in one simulated day; the mix of task "
+                            "kinds follows a cosine over it (0: a fixed uniform mix).")
+    traffic_shift: float = Field(0.6, ge=0, le=1, description="Realistic: amplitude of that cosine (0: no shift; "
+                                 "1: a task kind's weight swings between 0 and twice the average).")
+    requests_per_cycle: int = Field(768, ge=1, description="Completions requested per simulated cycle.")
     concurrency: int = Field(4, ge=1, description="Concurrent requests.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature the users request.")
     max_tokens: int = Field(16, ge=1, description="Completion budget.")
+
+    def traffic_options(self) -> dict[str, int | float]:
+        """``run_traffic``'s traffic-mix arguments for this population (none for the simple preset)."""
+        if self.population == "simple":
+            return {}
+        return {"day_length": self.day_length, "shift": self.traffic_shift}

@@ -12,7 +12,8 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter
+from typing_extensions import TypedDict
 
 SCHEMA_VERSION = 1
 MAX_EVENT_BYTES = 1_000_000
@@ -51,6 +52,18 @@ class SamplingRecord(BaseModel):
     seed: int | None = None
 
 
+class RoutesRecord(TypedDict):
+    """A mixture-of-experts completion's routes (``policy.routes``' wire form): for each of the
+    ``shape[0]`` positions the model consumed (prompt + completion - 1) and each of its ``shape[1]``
+    MoE layers, the ``shape[2]`` expert ids the router chose, bit-packed at ceil(log2 ``experts``)
+    bits an id and base64-encoded in ``data``. Validated as a plain dict, so ingestion handles it as
+    it handles the other JSON columns."""
+
+    shape: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=3, max_length=3)]
+    experts: Annotated[int, Field(ge=1, le=1 << 16)]
+    data: str
+
+
 class CompletionEvent(_Event):
     """One served completion: everything a later update needs to learn from it."""
 
@@ -61,13 +74,16 @@ class CompletionEvent(_Event):
     version: str = Field(description="Registry version id whose weights produced the tokens.")
     prompt: str
     completion: str
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
+    prompt_token_ids: list[StrictInt] = Field(description="JSON integers only (no strings, booleans or "
+                                              "floats); the ingester also requires 0 <= id < 2**31.")
+    completion_token_ids: list[StrictInt] = Field(description="As prompt_token_ids.")
     logprobs: list[float] = Field(description="Per sampled token: log-prob under the serving version at "
                                   "temperature 1 (raw softmax), aligned with completion_token_ids.")
     sampling_logprobs: list[float] | None = Field(None, description="Per sampled token: log-prob under the "
                                                   "distribution actually sampled from (temperature/top-p/top-k).")
-    expert_ids: list[list[int]] | None = Field(None, description="MoE: chosen expert ids per token (router replay).")
+    routes: RoutesRecord | None = Field(None, description="Mixture-of-experts models: the experts each MoE layer "
+                                        "chose at every position, for router replay in the updater; None for dense "
+                                        "models.")
     sampling: SamplingRecord = Field(default_factory=SamplingRecord)
     finish_reason: str = "stop"
     latency_ms: float = 0.0

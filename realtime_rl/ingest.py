@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import sys
 import threading
@@ -28,15 +29,17 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
+from policy.routes import geometry_from_config
 from realtime_rl import tables as t
 from realtime_rl.bus import BusConsumer, BusUnavailable, Record, open_consumer
 from realtime_rl.database import make_engine, redacted_url, url_of
-from realtime_rl.ingest_decode import DB_REJECTED, Decoded, decode_record
+from realtime_rl.ingest_decode import DB_REJECTED, Decoded, RouteRules, decode_record
 from realtime_rl.ingest_plan import BatchPlan, plan_batch
 from realtime_rl.ingest_proc import (
     WriterDatabaseUnavailable,
@@ -111,6 +114,16 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def route_rules(settings, say: Callable[[str], None] = log.info) -> RouteRules | None:
+    """The MoE geometry routes are checked against, from ``ingest.routes_model_dir`` (default
+    ``model.dir``); None when that directory holds no config.json."""
+    path = Path(settings.ingest.routes_model_dir or settings.model.dir) / "config.json"
+    if not path.is_file():
+        say(f"ingest: no {path}: route records are checked against their own shape only")
+        return None
+    return RouteRules(geometry_from_config(json.loads(path.read_text())))
+
+
 class Ingester:
     """Consumes the events and versions topics for ``settings.ingest.group`` into the feedback tables.
 
@@ -138,6 +151,14 @@ class Ingester:
         in_memory = url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
         self._writer = WriterProcess(settings.db, self.group, max_raw=self.cfg.dead_letter_max_raw_bytes,
                                      gc_threshold=self.cfg.gc_threshold) if writer_process and not in_memory else None
+        self._shared = self.cfg.partition_assignment == "group"
+        if self._shared and settings.bus.backend != "kafka" and consumer is None:
+            raise ValueError("ingest.partition_assignment = 'group' needs bus.backend = 'kafka' (Kafka's "
+                             "consumer-group protocol shares the partitions)")
+        self._subscribed = False
+        self._rebalanced = False  # set from inside a poll when the group moved partitions
+        self.rebalances = 0
+        self.route_rules = route_rules(settings, self._log)
 
     # -- bus attachment -------------------------------------------------------------------------
 
@@ -155,10 +176,18 @@ class Ingester:
 
     def _attach(self) -> None:
         """Read (and initialise) this group's positions from the database, seek the bus there, and have
-        the writer process running."""
+        the writer process running. Sharing the partitions (``partition_assignment = "group"``), only
+        those the group gave this member, which may be none until the first poll has joined it."""
         if self._writer is not None:
             self._writer.start()
-        wanted = [(topic, p) for topic in self.topics for p in self.consumer.partitions(topic)]
+        if self._shared:
+            if not self._subscribed:
+                self.consumer.subscribe(self.topics, self._on_rebalance)
+                self._subscribed = True
+            self._rebalanced = False
+            wanted = sorted(self.consumer.assignment())
+        else:
+            wanted = [(topic, p) for topic in self.topics for p in self.consumer.partitions(topic)]
         offsets = t.consumer_offsets
         with self.engine.begin() as conn:
             stored = self._stored_positions(conn)
@@ -173,7 +202,24 @@ class Ingester:
                 conn.execute(dialect_insert(conn, offsets).on_conflict_do_nothing(), rows)
                 stored = self._stored_positions(conn)
         self.positions = {pos: stored[pos] for pos in wanted}
-        self.consumer.assign(self.positions)
+        self._seek(self.positions)
+
+    def _seek(self, positions: dict[tuple[str, int], int]) -> None:
+        if self._shared:
+            self.consumer.seek(positions)
+        else:
+            self.consumer.assign(positions)
+
+    def _on_rebalance(self, kind: str, partitions: set[tuple[str, int]]) -> None:
+        """Called inside a poll when the group takes partitions from this member or gives it some: what
+        was read in this batch is dropped and the positions are read again from the database. No row
+        can be written twice meanwhile: another member's transaction for a partition this one still
+        writes fails its offset check (``OffsetsMoved``) and is retried from the stored positions."""
+        self._rebalanced = True
+        self.rebalances += 1
+        held = self.consumer.assignment() if kind == "assigned" else partitions
+        by_topic = "; ".join(f"{topic} {sorted(p for t, p in held if t == topic)}" for topic in self.topics)
+        self._log(f"ingest: rebalance ({kind}): {'holding' if kind == 'assigned' else 'gave up'} {by_topic}")
 
     def _stored_positions(self, conn: sa.Connection) -> dict[tuple[str, int], int]:
         o = t.consumer_offsets
@@ -185,7 +231,7 @@ class Ingester:
         """The database kept the old positions; make the bus agree (or re-attach from scratch)."""
         try:
             if self.positions is not None:
-                self.consumer.assign(self.positions)
+                self._seek(self.positions)
         except BusUnavailable:
             self.positions = None
 
@@ -202,6 +248,10 @@ class Ingester:
             self._attach()
         assert self.positions is not None
         records = self._gather(max_records or self.cfg.batch_max_records, self.positions)
+        if self._rebalanced:
+            self.positions = None  # re-attach: the group moved partitions while these were read
+            self._empty_polls = 0
+            return 0
         if not records:
             self._empty_polls += 1
             return 0
@@ -234,6 +284,8 @@ class Ingester:
             polled = self.consumer.poll(timeout_s=timeout, max_records=limit - len(records))
             # Anything below ``floor`` (a fetch that raced a rewind) was already taken care of.
             records.extend(r for r in polled if r.offset >= floor.get((r.topic, r.partition), 1 << 62))
+            if self._rebalanced:
+                return []
             if not polled and (busy is None or busy.done() or not records or len(records) >= least):
                 break
             if deadline is None:
@@ -254,7 +306,7 @@ class Ingester:
             pos = (r.topic, r.partition)
             if r.offset >= after[pos]:
                 after[pos] = r.offset + 1
-        decoded = [decode_record(r, self.cfg.max_event_bytes) for r in records]
+        decoded = [decode_record(r, self.cfg.max_event_bytes, self.route_rules) for r in records]
         plan = plan_batch(decoded, self.engine.dialect, use_copy=self.cfg.staged_writes)
         shipped = ship(plan, before, after) if self._writer is not None and plan.staging is not None else None
         return _Batch(before, after, decoded, plan, shipped)
@@ -332,7 +384,8 @@ class Ingester:
         total = 0
         for topic in self.topics:
             for p, end in self.consumer.end_offsets(topic).items():
-                total += max(0, end - self.positions.get((topic, p), 0))
+                if (topic, p) in self.positions:  # sharing partitions: only this member's
+                    total += max(0, end - self.positions[(topic, p)])
         return total
 
     def run(self, stop_event: threading.Event | None = None, max_idle_s: float | None = None) -> IngestStats:
@@ -365,6 +418,9 @@ class Ingester:
                     if inflight is not None:
                         done, inflight = inflight[0], None
                         done.result()
+                    if self._rebalanced:
+                        self.positions = None  # re-read the positions of what this member holds now
+                        continue
                     if batch is not None:
                         inflight = (pool.submit(self._apply, batch), batch)
                         n = len(batch.decoded)

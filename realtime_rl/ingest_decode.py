@@ -1,10 +1,25 @@
 """Turning one bus record into an event, or into the reason it must be dead-lettered.
 
 Beyond the wire schema (``realtime_rl.events``), the ingester refuses what would corrupt training
-data or fail in the database later: log-prob arrays that do not line up with the sampled tokens,
-non-finite or positive log-probs, an ``edit`` without the kept text, a score outside [-1, 1], ids
-longer than their columns, and NUL characters (PostgreSQL text cannot hold them); both databases
-must refuse the same events.
+data or fail in the database later; both databases must refuse the same events. Every field a
+trainer reads is checked here, on every ingest path (they all decode through :func:`decode_record`):
+
+- token ids (prompt and completion): integers in ``[0, TOKEN_ID_LIMIT)``, the range of a 32-bit
+  signed integer column (a negative id indexes an embedding table backwards; a larger one fits no
+  integer column a production database would use). Whether an id is inside a *model's* vocabulary
+  is checked again when a dataset is built for that model (``realtime_rl.dataset``);
+- log-probs and sampling log-probs: one per completion token, finite, and ``<= LOGPROB_TOLERANCE``
+  (a probability of 1 can round to a log-prob a hair above 0; more than that is a bug);
+- the sampling record: finite temperature >= 0, top_p in [0, 1], top_k >= 0, max_tokens >= 0;
+- feedback: an ``edit`` carries the kept text, a score is in [-1, 1];
+- ids no longer than their columns, no NUL characters in them (PostgreSQL text cannot hold them); a
+  NUL in free text (prompt, completion, kept text, comment), which a model can write, is stored as
+  U+FFFD instead (the token ids keep the exact sequence).
+
+Mixture-of-experts routes are checked by a function of their own (:func:`routes_problem`): a record
+that does not decode, does not cover the completion's prompt + completion - 1 positions, or does not
+fit the served model's MoE geometry (layer count, top-k, an expert id out of range or named twice) is
+dead-lettered with a reason that names the layer, since every trainer would refuse to replay it.
 """
 
 from __future__ import annotations
@@ -14,6 +29,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter, ValidationError
 
+from policy.routes import RouteFormatError, RouteGeometry, Routes, route_problem
 from realtime_rl.bus.base import Record
 from realtime_rl.events import (
     MAX_EVENT_BYTES,
@@ -34,8 +50,20 @@ REASONS = (OVERSIZED, UNDECODABLE, SCHEMA_INVALID, CONFLICT, DB_REJECTED)
 
 MAX_ID_CHARS = 128
 """Ids and names are stored as VARCHAR(128) (PostgreSQL enforces it; SQLite would not)."""
-_LOGPROB_SLACK = 1e-4
-"""Log-probs a hair above 0 come from float rounding of probabilities near 1; more is a bug."""
+LOGPROB_TOLERANCE = 1e-4
+"""Largest log-prob accepted: values a hair above 0 come from float rounding of probabilities near 1
+(fp32 softmax and log-sum-exp); anything larger is a bug in the producer."""
+TOKEN_ID_LIMIT = 2**31
+"""Token ids must be below this: the range of a 32-bit signed integer column (PostgreSQL ``integer``,
+``int[]``). Real vocabularies are far smaller; the model's own bound is applied by the dataset builder."""
+
+
+@dataclass(frozen=True)
+class RouteRules:
+    """What completion events' routes are checked against: the served model's MoE ``geometry``
+    (None: a dense model, which has no routes to record)."""
+
+    geometry: RouteGeometry | None
 
 
 @dataclass(slots=True)
@@ -50,7 +78,9 @@ _EVENTS: TypeAdapter[Event] = TypeAdapter(EventUnion)
 """The schema's own (lax) rules, as ``events.decode_event`` applies them (its size check is done here)."""
 
 
-def decode_record(record: Record, max_event_bytes: int) -> Decoded:
+def decode_record(record: Record, max_event_bytes: int, route_rules: RouteRules | None = None) -> Decoded:
+    """``route_rules`` None: the served model's geometry is unknown, and routes are only checked
+    for their own consistency."""
     value = record.value
     if len(value) > max_event_bytes:
         return Decoded(record, reason=OVERSIZED,
@@ -66,12 +96,30 @@ def decode_record(record: Record, max_event_bytes: int) -> Decoded:
         return Decoded(record, reason=UNDECODABLE if undecodable else SCHEMA_INVALID, detail=_summarise(errors))
     # JSON can only carry a NUL or a lone surrogate as a \u escape: without one, no string holds either.
     escaped = _has_unicode_escape(value)
-    problem = semantic_problem(event, may_contain_nul=escaped and b"\\u0000" in value)
+    nul = escaped and b"\\u0000" in value
+    if nul:
+        event = _nul_free_text(event)
+    problem = semantic_problem(event, may_contain_nul=nul)
     if problem is None and escaped and (b"\\ud" in value or b"\\uD" in value):
         problem = _unencodable(event)
+    if problem is None and isinstance(event, CompletionEvent) and event.routes is not None:
+        problem = routes_problem(event, route_rules)
     if problem is not None:
         return Decoded(record, reason=SCHEMA_INVALID, detail=problem)
     return Decoded(record, event=event)
+
+
+_FREE_TEXT = {CompletionEvent: ("prompt", "completion"), FeedbackEvent: ("kept_text", "comment")}
+
+
+def _nul_free_text(event: Event) -> Event:
+    """``event`` with each NUL in its free text (prompt, completion, kept text, comment) replaced by U+FFFD:
+    a model can write one, PostgreSQL text cannot hold one, and the token ids (the training data) keep
+    the exact sequence. A NUL anywhere else (an id, a name) is still refused."""
+    fields = _FREE_TEXT.get(type(event), ())
+    update = {f: getattr(event, f).replace("\x00", "\ufffd") for f in fields
+              if getattr(event, f) is not None and "\x00" in getattr(event, f)}
+    return event.model_copy(update=update) if update else event
 
 
 def _has_unicode_escape(value: bytes) -> bool:
@@ -125,7 +173,28 @@ def _too_long(*values: str | None) -> bool:
 
 def _bad_logprobs(values: list[float] | None) -> bool:
     # A NaN or an infinity makes the sum non-finite: one test per list instead of one per value.
-    return bool(values) and not (math.isfinite(sum(values)) and max(values) <= _LOGPROB_SLACK)
+    return bool(values) and not (math.isfinite(sum(values)) and max(values) <= LOGPROB_TOLERANCE)
+
+
+def _bad_token_ids(ids: list[int]) -> bool:
+    # min and max in C: two passes over a list of ints, no Python loop.
+    return bool(ids) and (min(ids) < 0 or max(ids) >= TOKEN_ID_LIMIT)
+
+
+def _bad_sampling(s) -> str | None:
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        return "sampling.temperature: must be finite and >= 0"
+    if not 0.0 <= s.top_p <= 1.0:  # False for NaN too
+        return "sampling.top_p: must be in [0, 1]"
+    if s.top_k < 0 or s.max_tokens < 0:
+        return "sampling.top_k, sampling.max_tokens: must be >= 0"
+    return None
+
+
+def _out_of_range(ids: list[int]) -> str:
+    bad = next(i for i in ids if i < 0 or i >= TOKEN_ID_LIMIT)
+    text = str(bad)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
 
 
 def semantic_problem(event: Event, may_contain_nul: bool = True) -> str | None:
@@ -136,15 +205,23 @@ def semantic_problem(event: Event, may_contain_nul: bool = True) -> str | None:
         e = event
         if _too_long(e.event_id, e.completion_id, e.caller, e.model, e.version, e.task_bucket):
             return f"an id or name is longer than {MAX_ID_CHARS} characters"
+        if _bad_token_ids(e.prompt_token_ids):
+            return f"prompt_token_ids: token ids must be integers in [0, 2**31) (got {_out_of_range(e.prompt_token_ids)})"
+        if _bad_token_ids(e.completion_token_ids):
+            return (f"completion_token_ids: token ids must be integers in [0, 2**31) "
+                    f"(got {_out_of_range(e.completion_token_ids)})")
         n = len(e.completion_token_ids)
         if len(e.logprobs) != n:
             return f"logprobs: {len(e.logprobs)} entries for {n} completion tokens"
         if e.sampling_logprobs is not None and len(e.sampling_logprobs) != n:
             return f"sampling_logprobs: {len(e.sampling_logprobs)} entries for {n} completion tokens"
-        if e.expert_ids is not None and len(e.expert_ids) != n:
-            return f"expert_ids: {len(e.expert_ids)} entries for {n} completion tokens"
-        if _bad_logprobs(e.logprobs) or _bad_logprobs(e.sampling_logprobs):
-            return "logprobs: log-probs must be finite and <= 0"
+        if _bad_logprobs(e.logprobs):
+            return f"logprobs: log-probs must be finite and <= 0 (tolerance {LOGPROB_TOLERANCE:g})"
+        if _bad_logprobs(e.sampling_logprobs):
+            return f"sampling_logprobs: log-probs must be finite and <= 0 (tolerance {LOGPROB_TOLERANCE:g})"
+        problem = _bad_sampling(e.sampling)
+        if problem is not None:
+            return problem
         if not (math.isfinite(e.latency_ms) and e.latency_ms >= 0):
             return "latency_ms: must be finite and >= 0"
     elif isinstance(event, FeedbackEvent):
@@ -162,3 +239,19 @@ def semantic_problem(event: Event, may_contain_nul: bool = True) -> str | None:
         if not all(math.isfinite(v) for v in e.metrics.values()):
             return "metrics: values must be finite"
     return None
+
+
+def routes_problem(event: CompletionEvent, rules: RouteRules | None) -> str | None:
+    """Why a completion's route record cannot be stored, or None (see the module docstring). Without
+    ``rules`` the record is checked against its own shape and expert count only."""
+    try:
+        routes = Routes.from_wire(event.routes)
+    except RouteFormatError as err:
+        return str(err)
+    if rules is None:
+        _, layers, top_k = routes.shape
+        geometry = RouteGeometry(layers, routes.experts, top_k)
+    else:
+        geometry = rules.geometry
+    problem = route_problem(routes, geometry, len(event.prompt_token_ids) + len(event.completion_token_ids) - 1)
+    return None if problem is None else f"routes: {problem}"

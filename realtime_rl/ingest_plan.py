@@ -38,7 +38,7 @@ COPY_MIN_ROWS = 200
 """PostgreSQL: below this many events a plain multi-row INSERT is as fast as staging with COPY."""
 
 COMPLETION_COLUMNS = ("completion_id", "event_id", "caller", "model", "version", "prompt", "completion",
-                      "prompt_token_ids", "completion_token_ids", "logprobs", "sampling_logprobs", "expert_ids",
+                      "prompt_token_ids", "completion_token_ids", "logprobs", "sampling_logprobs", "routes",
                       "sampling", "finish_reason", "latency_ms", "task_bucket", "choice_index", "created_at")
 FEEDBACK_COLUMNS = ("event_id", "completion_id", "caller", "version", "signal", "kept_text", "score", "comment",
                     "created_at", "is_latest")
@@ -218,10 +218,10 @@ _ENCODE_SLICE = 256
 """Rows encoded at once as the writer consumes them (one SQLite INSERT's worth)."""
 
 _event_dict = operator.attrgetter("event.__dict__")
-_completion_fields = operator.itemgetter(*COMPLETION_COLUMNS[:7], "logprobs", "sampling_logprobs", "expert_ids",
+_completion_fields = operator.itemgetter(*COMPLETION_COLUMNS[:7], "logprobs", "sampling_logprobs", "routes",
                                          *COMPLETION_COLUMNS[13:17])
-"""A completion's text columns, its two log-prob lists, its expert ids (None but for mixture-of-experts
-models), and the 4 columns after ``sampling``."""
+"""A completion's text columns, its two log-prob lists, its route record (a plain dict; None but for
+mixture-of-experts models), and the 4 columns after ``sampling``."""
 _prompt_ids = operator.itemgetter("prompt_token_ids")
 _completion_ids = operator.itemgetter("completion_token_ids")
 _sampling = operator.itemgetter("sampling")

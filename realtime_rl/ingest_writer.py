@@ -142,7 +142,7 @@ def _completion_row(e: CompletionEvent, now: datetime) -> dict[str, Any]:
         "completion_id": e.completion_id, "event_id": e.event_id, "caller": e.caller, "model": e.model,
         "version": e.version, "prompt": e.prompt, "completion": e.completion,
         "prompt_token_ids": e.prompt_token_ids, "completion_token_ids": e.completion_token_ids,
-        "logprobs": e.logprobs, "sampling_logprobs": e.sampling_logprobs, "expert_ids": e.expert_ids,
+        "logprobs": e.logprobs, "sampling_logprobs": e.sampling_logprobs, "routes": e.routes,
         "sampling": e.sampling.model_dump(mode="json"), "finish_reason": e.finish_reason,
         "latency_ms": e.latency_ms, "task_bucket": e.task_bucket, "choice_index": e.choice_index,
         "created_at": utc(e.ts), "ingested_at": now,
@@ -463,7 +463,7 @@ def _classify_rejected(conn: sa.Connection, wanted: dict[str, str]) -> tuple[int
 
 
 _EXAMPLE_FROM_COMPLETION = ("completion_id", "version", "model", "caller", "task_bucket", "prompt_token_ids",
-                            "completion_token_ids", "logprobs", "sampling_logprobs", "expert_ids", "sampling")
+                            "completion_token_ids", "logprobs", "sampling_logprobs", "routes", "sampling")
 _EXAMPLE_FROM_FEEDBACK = ("signal", "kept_text", "score")
 _EXAMPLE_UPDATED = ("signal", "kept_text", "score", "feedback_event_id", "feedback_count", "feedback_at",
                     "updated_at")

@@ -174,3 +174,82 @@ def candidate_log_weights(model, examples: Sequence[TrainingExample], behaviour:
         target = lp.sum(1).tolist()
         out.extend(t - m for t, m in zip(target, mu, strict=True))
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The canary's sequential test.
+
+
+@dataclass
+class CanaryTest:
+    """One look at a running canary: ``decision`` is promote, rollback or continue."""
+
+    decision: str
+    reason: str
+    delta: float
+    se: float
+    log_lr_worse: float
+    log_lr_noninferior: float
+    n_canary: int
+    n_control: int
+    threshold: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def msprt_log_lr(delta: float, se: float, null: float, tau: float) -> float:
+    """log Λ of the normal-mixture sequential probability ratio test (mSPRT) of H0: Δ = ``null``,
+    for an estimate ``delta`` with standard error ``se`` and a N(null, τ²) mixture over alternatives:
+
+        Λ = sqrt(σ² / (σ² + τ²)) · exp(τ² (Δ̂ − null)² / (2 σ² (σ² + τ²)))
+
+    Rejecting H0 once Λ ≥ 1/α keeps the type-I error at most α however often one looks (an
+    always-valid test); σ² is the plug-in variance, which is where it departs from the exact test."""
+    v, t2 = se * se, tau * tau
+    if v <= 0:
+        return math.inf if delta != null else 0.0
+    return 0.5 * math.log(v / (v + t2)) + t2 * (delta - null) ** 2 / (2 * v * (v + t2))
+
+
+def _rate_var(k: int, n: int) -> float:
+    p = (k + 0.5) / (n + 1.0)  # a half-count prior keeps the variance away from 0 at p = 0 or 1
+    return p * (1 - p) / n
+
+
+def canary_sequential_test(canary: tuple[int, int], control: tuple[int, int], *, before: tuple[int, int] | None = None,
+                           control_before: tuple[int, int] | None = None, margin: float = 0.02,
+                           tau: float = 0.05, alpha: float = 0.05, min_n: int = 1,
+                           max_n: int | None = None) -> CanaryTest:
+    """Promote, roll back or keep waiting, from (accepted, judged) counts.
+
+    Δ̂ is the canary's accept rate minus the control's; with ``before`` / ``control_before`` (the same
+    two cohorts on production before the canary began) it is the difference in differences, so a
+    canary cohort whose users accept more, or less, than the others by habit does not bias it.
+    Roll back once the mSPRT rejects Δ ≥ 0 with Δ̂ < 0 (the canary is worse); promote once it
+    rejects Δ ≤ −margin with Δ̂ > −margin (the canary is not worse by more than the margin). At
+    ``max_n`` canary judgements without a verdict, promote only if Δ̂ ≥ 0."""
+    (kc, nc), (kp, np_) = canary, control
+    if nc < max(min_n, 1) or np_ < 1:
+        return CanaryTest("continue", f"{nc} canary / {np_} control judgements so far (need {min_n})",
+                          math.nan, math.nan, 0.0, 0.0, nc, np_, math.log(1 / alpha))
+    delta = kc / nc - kp / np_
+    var = _rate_var(kc, nc) + _rate_var(kp, np_)
+    if before is not None and control_before is not None and before[1] > 0 and control_before[1] > 0:
+        delta -= before[0] / before[1] - control_before[0] / control_before[1]
+        var += _rate_var(*before) + _rate_var(*control_before)
+    se = math.sqrt(var)
+    threshold = math.log(1 / alpha)
+    worse = msprt_log_lr(delta, se, 0.0, tau)
+    noninferior = msprt_log_lr(delta, se, -margin, tau)
+    if delta < 0 and worse >= threshold:
+        decision, why = "rollback", f"canary worse: Δ {delta:+.3f} (se {se:.3f}), log Λ {worse:.2f} ≥ {threshold:.2f}"
+    elif delta > -margin and noninferior >= threshold:
+        decision, why = "promote", (f"canary not worse than -{margin}: Δ {delta:+.3f} (se {se:.3f}), log Λ "
+                                    f"{noninferior:.2f} ≥ {threshold:.2f}")
+    elif max_n is not None and nc >= max_n:
+        decision = "promote" if delta >= 0 else "rollback"
+        why = f"no verdict after {nc} canary judgements: Δ {delta:+.3f} (se {se:.3f}), decided by its sign"
+    else:
+        decision, why = "continue", f"Δ {delta:+.3f} (se {se:.3f}) after {nc} canary judgements: no verdict yet"
+    return CanaryTest(decision, why, delta, se, worse, noninferior, nc, np_, threshold)

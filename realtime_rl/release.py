@@ -8,7 +8,8 @@ Gate (all must hold, every number is recorded):
 2. off-policy: the SNIPS (or clipped-IPS) estimate of the candidate's accept rate on held-out logged
    feedback served by production (candidate log-probs recomputed, behaviour = logged) is not below
    production's realised accept rate on those same examples (minus ``ope_margin``; optionally the
-   CI's lower bound is compared instead of the point estimate), with at least ``min_heldout`` examples.
+   CI's lower bound is compared instead of the point estimate), with at least ``min_heldout`` examples,
+   and an effective sample size (Σw)²/Σw² of at least ``min_ess_share`` of them.
 
 Pass: the candidate goes to the ``production`` channel, or with ``canary_share`` > 0 to ``candidate``
 (the gateway routes that share of callers to it) and a later cycle promotes it once
@@ -27,7 +28,7 @@ import json
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,11 @@ def evaluate_gate(settings, *, candidate_model, production_model, heldout: Seque
             what = "CI lower bound" if g.use_lower_bound else "estimate"
             reasons.append(f"{g.estimator} {what} of the accept rate {value:.3f} < production's realised "
                            f"{realised:.3f} (margin {g.ope_margin})")
+        # A handful of huge weights carry the estimate: it says nothing about this candidate.
+        checks["ope_support"] = res.ess >= g.min_ess_share * res.n
+        if not checks["ope_support"]:
+            reasons.append(f"off-policy estimate rests on an effective sample of {res.ess:.1f} of {res.n} "
+                           f"(< {g.min_ess_share:.0%}): the candidate moved too far from production to judge")
         report.ope = res.as_dict()
         report.production_accept_rate = realised
         report.production_accept_ci = accept_rate_ci(accepts, g.ci_level)
@@ -234,10 +240,24 @@ def default_evaluator(settings, tokenizer) -> Callable[[Any], float]:
     return score
 
 
+def _canary_counts(rows, pending: str, production: str) -> tuple[tuple[int, int], tuple[int, int], set[str]]:
+    """(accepted, judged) on the canary version and on production, and the canary cohort's callers."""
+    cohort = {r.caller for r in rows if r.version == pending}
+    canary = [r.signal == "accept" for r in rows if r.version == pending]
+    control = [r.signal == "accept" for r in rows if r.version == production and r.caller not in cohort]
+    if not control:  # no caller outside the cohort (a split by request, not by caller): all of production
+        control = [r.signal == "accept" for r in rows if r.version == production]
+    return (sum(canary), len(canary)), (sum(control), len(control)), cohort
+
+
 def _resolve_canary(settings, engine, store, run_id: str, started: datetime, production: str, log,
                     producer) -> dict[str, Any] | None:
-    """A canary from an earlier cycle: promote, reject, or keep waiting. Returns a run row or None."""
+    """A canary from an earlier cycle: promote, roll back, or keep waiting, by the sequential test of
+    :func:`realtime_rl.ope.canary_sequential_test` on the feedback since the canary began (difference
+    in differences against the same cohorts' feedback on production in the canary run's window).
+    Returns a run row or None."""
     from realtime_rl.dataset import load_logged
+    from realtime_rl.ope import canary_sequential_test
 
     pending = store.candidate()
     with engine.connect() as conn:
@@ -245,39 +265,43 @@ def _resolve_canary(settings, engine, store, run_id: str, started: datetime, pro
     if not pending or pending == production or prev is None or prev["candidate_version"] != pending:
         return None
     rows = load_logged(engine, since=prev["data_until"], versions=[pending, production])
-    canary = [r.signal == "accept" for r in rows if r.version == pending]
-    control = [r.signal == "accept" for r in rows if r.version == production]
+    canary, control, cohort = _canary_counts(rows, pending, production)
+    earlier = load_logged(engine, since=prev["data_since"], until=prev["data_until"], versions=[production])
+    before = [r.signal == "accept" for r in earlier if r.caller in cohort]
+    others = [r.signal == "accept" for r in earlier if r.caller not in cohort]
     g = settings.release
+    test = canary_sequential_test(canary, control, before=(sum(before), len(before)) if before else None,
+                                  control_before=(sum(others), len(others)) if others else None,
+                                  margin=g.canary_margin, tau=g.canary_tau, alpha=g.canary_alpha,
+                                  min_n=g.canary_min_feedback, max_n=g.canary_max_feedback)
     base = {"run_id": run_id, "production_version": production, "candidate_version": pending,
             "fingerprint": None, "data_since": prev["data_until"], "data_until": None, "n_train": 0,
-            "n_heldout": len(canary), "started_at": started}
-    if len(canary) < g.canary_min_feedback:
-        return {**base, "status": "skipped", "reason": f"canary {pending}: {len(canary)} of "
-                f"{g.canary_min_feedback} feedbacks so far", "metrics": {}}
-    c_rate = sum(canary) / len(canary)
-    p_rate = sum(control) / len(control) if control else 0.0
-    metrics = {"canary_accept_rate": c_rate, "production_accept_rate": p_rate, "canary_n": len(canary)}
-    if c_rate >= p_rate - g.ope_margin:
+            "n_heldout": canary[1], "started_at": started}
+    c_rate = canary[0] / canary[1] if canary[1] else None
+    p_rate = control[0] / control[1] if control[1] else None
+    metrics = {"canary_accept_rate": c_rate, "production_accept_rate": p_rate, "canary_n": canary[1],
+               "control_n": control[1], "sequential_test": test.as_dict()}
+    if test.decision == "continue":
+        return {**base, "status": "skipped", "reason": f"canary {pending}: {test.reason}", "metrics": metrics}
+    if test.decision == "promote":
         store.promote(pending, "production")  # `candidate` already points at it: the canary share stays on it
         _emit(producer, settings, version=pending, parent=production, action="promoted", channel="production",
-              metrics=metrics, log=log)
-        return {**base, "status": "released", "reason": f"canary accept {c_rate:.3f} >= production "
-                f"{p_rate:.3f}", "metrics": metrics}
+              metrics={k: v for k, v in metrics.items() if isinstance(v, float)}, log=log)
+        return {**base, "status": "released", "reason": test.reason, "metrics": metrics}
     store.retire_candidate()
-    return {**base, "status": "refused", "reason": f"canary accept {c_rate:.3f} < production {p_rate:.3f}",
-            "metrics": metrics}
+    return {**base, "status": "refused", "reason": test.reason, "metrics": metrics}
 
 
 def cycle_body(settings, engine: sa.Engine, run_id: str, *, force: bool, log, store, evaluator, producer,
-               should_stop, now: datetime | None):
+               should_stop, now: datetime | None, tamper=None):
     """dataset → update → publish candidate → gate → promote/refuse → record (caller holds the lock)."""
     import torch
 
     from policy.loading import load_policy
     from realtime_rl.baseline import load_bucket_stats, merge_batch
     from realtime_rl.bus import open_producer
-    from realtime_rl.dataset import build_dataset, load_logged
-    from realtime_rl.update import CycleResult, compute_advantages, save_candidate, train_policy
+    from realtime_rl.dataset import build_dataset, count_orphans, load_logged
+    from realtime_rl.update import CycleResult, compute_advantages, save_candidate, train_candidate
 
     started = now or datetime.now(UTC)
     torch.set_num_threads(settings.model.threads)
@@ -313,7 +337,13 @@ def cycle_body(settings, engine: sa.Engine, run_id: str, *, force: bool, log, st
         decode = policy.tokenizer.decode
         rows = load_logged(engine, since=since)
         ds = build_dataset(rows, settings.update, production=production, admitted_versions=admitted,
-                           now=now, decode=decode)
+                           now=now, decode=decode, vocab_size=policy.model.get_input_embeddings().num_embeddings,
+                           encode=lambda text: policy.tokenizer.encode(text, add_special_tokens=False))
+        ds.stats.orphaned = count_orphans(
+            engine, (now or datetime.now(UTC)) - timedelta(hours=settings.update.feedback_horizon_hours))
+        if ds.stats.out_of_vocab or ds.stats.malformed:
+            log(f"dataset: excluded {ds.stats.out_of_vocab} out-of-vocabulary and {ds.stats.malformed} malformed "
+                f"examples ({ds.stats.excluded})")
         prev_until = prev["data_until"] if prev else None
         fresh = [e for e in ds.train + ds.heldout if prev_until is None or _after(e.example.feedback_at, prev_until)]
         base = {"run_id": run_id, "production_version": production, "fingerprint": ds.fingerprint,
@@ -341,8 +371,12 @@ def cycle_body(settings, engine: sa.Engine, run_id: str, *, force: bool, log, st
         log(f"update {run_id}: {len(ds.train)} train / {len(ds.heldout)} held-out examples from {production}")
         pad = policy.tokenizer.pad_token_id or 0
         adv, baseline = compute_advantages(ds.train, settings.update, history, policy.model, pad)
-        train_metrics = train_policy(policy.model, ds.train, adv, settings.update, pad_token_id=pad, log=log,
-                                     should_stop=should_stop)
+        train_metrics = train_candidate(settings, policy, production, ds.train, adv, pad_token_id=pad, log=log,
+                                        should_stop=should_stop)
+        if tamper is not None:  # a benchmark's sabotage: the gate below must catch what it did
+            note = tamper(policy.model)
+            if note:
+                train_metrics["tampered"] = note
         rewards = [e.reward for e in ds.train]
         train_metrics.update(reward_mean=sum(rewards) / len(rewards),
                              accept_rate_train=sum(e.accepted for e in ds.train) / len(ds.train),
@@ -370,7 +404,8 @@ def cycle_body(settings, engine: sa.Engine, run_id: str, *, force: bool, log, st
         log(f"gate: {status}: {report.reason}")
         fresh_train = [e for e in ds.train if prev_until is None or _after(e.example.feedback_at, prev_until)]
         new_baseline = merge_batch(history, fresh_train) if settings.update.baseline == "bucket_mean" else None
-        metrics = _jsonable({"train": train_metrics, "dataset": ds.stats.as_dict(), "gate": report.as_dict()})
+        metrics = _jsonable({"train": train_metrics, "dataset": ds.stats.as_dict(), "gate": report.as_dict(),
+                             "tampered": train_metrics.get("tampered")})
         row = {**base, "status": status, "candidate_version": candidate, "reason": report.reason,
                "metrics": metrics}
         ope = report.ope or {}

@@ -17,12 +17,27 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print the cycle result as JSON."),
         config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
     ) -> None:
-        """One update cycle: dataset -> REINFORCE update -> candidate -> release gate -> promote or refuse."""
+        """One update cycle: dataset -> REINFORCE update -> candidate -> release gate -> promote or refuse.
+
+        The update step runs data-parallel over N ranks with `torchrun --nproc_per_node N -m rtrl update`
+        (distributed.mode); rank 0 does the rest of the cycle."""
+        from policy.distributed import DistributedError, is_main_process, shutdown
         from realtime_rl.update import run_update_cycle
         from rtrl.cli import settings_or_exit
 
         settings = settings_or_exit(config)
-        result = run_update_cycle(settings, force=force, log=lambda m: typer.echo(m, err=True))
+        try:
+            result = run_update_cycle(settings, force=force, log=lambda m: typer.echo(m, err=True))
+            main = is_main_process()
+        except DistributedError as err:
+            typer.echo(str(err), err=True)
+            raise typer.Exit(2) from None
+        finally:
+            shutdown()
+        if not main:
+            if result.status in ("failed", "locked"):
+                raise typer.Exit(1)
+            return
         if as_json:
             typer.echo(json.dumps(result.as_dict(), default=str))
         else:

@@ -18,6 +18,7 @@ the official ``openai`` client against the gateway with the user's own API key, 
 from __future__ import annotations
 
 import ast
+import math
 import random
 import warnings
 from collections.abc import Sequence
@@ -106,37 +107,186 @@ def is_spaced(text: str) -> bool:
     return ast.unparse(tree) == text.split("\n", 1)[0]
 
 
+KINDS = ("style", "brevity", "correctness", "reject_all", "accept_all")
+"""User kinds. ``style``: correct and in the spaced style (insisting with probability ``strictness``);
+``brevity``: correct with no redundant characters (spaces are free); ``correctness``: any correct
+answer; ``reject_all`` / ``accept_all``: adversarial, the same verdict whatever the answer."""
+ADVERSARIAL = ("reject_all", "accept_all")
+
+
+def spaced_form(text: str) -> str | None:
+    """The canonical spaced rendering of an answer's first line (None: not an expression)."""
+    tree = parse_answer(text)
+    return ast.unparse(tree) if tree is not None else None
+
+
+def is_brief(text: str, task: Task) -> bool:
+    """No redundant characters: the first line without spaces is no longer than the reference."""
+    reference = task.reference or ""
+    return len(text.split("\n", 1)[0].replace(" ", "")) <= len(reference.replace(" ", ""))
+
+
 @dataclass
 class SimUser:
+    """One simulated caller. The simple preset uses only ``strictness`` (kind ``style``, no noise,
+    feedback on every completion at once); the realistic population sets the other fields."""
+
     name: str
     strictness: float
+    kind: str = "style"
+    noise: float = 0.0
+    feedback_rate: float = 1.0
+    delay_probability: float = 0.0
+    edit_probability: float | None = None
+    activity: float = 1.0
+    edits_fix: bool = False
     api_key: str = field(default="", repr=False)
+    caller: str = ""
+
+    def prefers(self, task: Task, text: str, rng: random.Random) -> bool:
+        """This user's verdict before noise (``style`` draws its insistence from ``rng``)."""
+        if self.kind == "accept_all":
+            return True
+        if self.kind == "reject_all":
+            return False
+        correct = is_correct(text, task)
+        if self.kind == "style":
+            wants_style = rng.random() < self.strictness
+            return correct and (is_spaced(text) or not wants_style)
+        if self.kind == "brevity":
+            return correct and is_brief(text, task)
+        if self.kind == "correctness":
+            return correct
+        raise ValueError(f"unknown user kind {self.kind!r}")
+
+    def kept_text(self, task: Task, text: str) -> str:
+        """What this user keeps when editing: the answer in their own style when it was right; when it
+        was wrong, the right answer (``edits_fix``) or the part before the mistake (simple preset)."""
+        correct = is_correct(text, task)
+        if correct and self.kind != "brevity":
+            spaced = spaced_form(text) or ""
+            return spaced if self.kind == "style" else text.split("\n", 1)[0]
+        if correct or self.edits_fix:
+            reference = task.reference or ""
+            if self.kind == "style":
+                return task.metadata.get("spaced_reference") or spaced_form(reference) or reference
+            return reference
+        return text[: max(0, len(text) // 2)]
 
     def judge(self, task: Task, text: str, rng: random.Random, edit_probability: float = 0.0) -> tuple[str, str | None]:
         """(signal, kept_text) for one completion."""
-        correct = is_correct(text, task)
-        styled = is_spaced(text)
-        wants_style = rng.random() < self.strictness
-        if correct and (styled or not wants_style):
+        ok = self.prefers(task, text, rng)
+        if self.kind in ADVERSARIAL:
+            return ("accept" if ok else "reject"), None
+        if self.noise and rng.random() < self.noise:
+            ok = not ok
+        if ok:
             return "accept", None
-        if rng.random() < edit_probability:
-            if correct:
-                tree = parse_answer(text)
-                return "edit", ast.unparse(tree) if tree is not None else ""
-            return "edit", text[: max(0, len(text) // 2)]
+        p_edit = edit_probability if self.edit_probability is None else self.edit_probability
+        if rng.random() < p_edit:
+            return "edit", self.kept_text(task, text)
         return "reject", None
 
 
 def make_population(n: int, seed: int, lo: float, hi: float) -> list[SimUser]:
+    """The simple preset: ``n`` style users with strictness ~ U[lo, hi], nothing else."""
     rng = random.Random(seed)
     return [SimUser(name=f"sim-{seed}-{i:03d}", strictness=rng.uniform(lo, hi)) for i in range(n)]
 
 
+def kind_counts(n: int, shares: dict[str, float]) -> dict[str, int]:
+    """Split ``n`` users by ``shares`` (largest remainder, so the counts add up to ``n``)."""
+    total = sum(shares.values())
+    if total <= 0:
+        raise ValueError("the user-kind shares must not all be zero")
+    exact = {k: n * v / total for k, v in shares.items()}
+    counts = {k: int(x) for k, x in exact.items()}
+    for k in sorted(exact, key=lambda k: (counts[k] - exact[k], k))[: n - sum(counts.values())]:
+        counts[k] += 1
+    return counts
+
+
+def make_realistic_population(cfg, seed: int | None = None) -> list[SimUser]:
+    """Users of several kinds (``SimUsersSettings``' shares), each with its own noise, feedback rate,
+    delay, edit habit and activity; ``adversarial_share`` of them reject or accept everything."""
+    seed = cfg.seed if seed is None else seed
+    rng = random.Random(seed)
+    n_adv = round(cfg.n_users * cfg.adversarial_share)
+    honest = kind_counts(cfg.n_users - n_adv, {"style": cfg.style_share, "brevity": cfg.brevity_share,
+                                               "correctness": cfg.correctness_share})
+    kinds = [k for k in ("style", "brevity", "correctness") for _ in range(honest[k])]
+    kinds += [ADVERSARIAL[i % 2] for i in range(n_adv)]
+    users = []
+    for i, kind in enumerate(kinds):
+        adversarial = kind in ADVERSARIAL
+        users.append(SimUser(
+            name=f"sim-{seed}-{i:03d}", kind=kind,
+            strictness=rng.uniform(cfg.style_strictness_min, cfg.style_strictness_max),
+            noise=0.0 if adversarial else rng.uniform(0.0, cfg.noise_max),
+            feedback_rate=1.0 if adversarial else rng.uniform(cfg.feedback_rate_min, cfg.feedback_rate_max),
+            delay_probability=0.0 if adversarial else cfg.delay_probability,
+            edit_probability=0.0 if adversarial else (cfg.style_edit_probability if kind == "style"
+                                                      else cfg.edit_probability),
+            activity=(cfg.adversarial_activity if adversarial else rng.lognormvariate(0.0, cfg.activity_sigma)),
+            edits_fix=True))
+    return users
+
+
+def build_population(cfg, seed: int | None = None) -> list[SimUser]:
+    """The configured population (``simusers.population``)."""
+    if cfg.population == "simple":
+        return make_population(cfg.n_users, cfg.seed if seed is None else seed, cfg.style_strictness_min,
+                               cfg.style_strictness_max)
+    return make_realistic_population(cfg, seed)
+
+
 def register_keys(settings, users: Sequence[SimUser]) -> None:
-    from serving.auth import create_api_key
+    from serving.auth import create_api_key, split_key
 
     for u in users:
         u.api_key = create_api_key(settings, u.name)
+        parts = split_key(u.api_key)
+        u.caller = parts[0] if parts else u.name
+
+
+def task_weights(tasks: Sequence[Task], t: int, day_length: int, shift: float) -> list[float]:
+    """Traffic mix at request ``t``: each task bucket's weight follows its own phase of a cosine with
+    period ``day_length`` requests (amplitude ``shift``), so the mix of task kinds moves over the day."""
+    buckets = sorted({task.bucket for task in tasks})
+    phase = {b: i / len(buckets) for i, b in enumerate(buckets)}
+    return [1.0 + shift * math.cos(2 * math.pi * (t / day_length - phase[task.bucket])) for task in tasks]
+
+
+def plan_traffic(users: Sequence[SimUser], tasks: Sequence[Task], n: int, seed: int, *, start: int = 0,
+                 day_length: int = 0, shift: float = 0.0) -> list[tuple[SimUser, Task, int]]:
+    """(user, task, per-request seed) for ``n`` requests: users in proportion to ``activity``, tasks
+    uniformly or, with ``day_length``, by the moving mix of :func:`task_weights`."""
+    rng = random.Random(seed)
+    uniform_users = all(u.activity == 1.0 for u in users)
+    weights = [u.activity for u in users]
+    plan = []
+    for i in range(n):
+        user = rng.choice(users) if uniform_users else rng.choices(users, weights)[0]
+        if day_length > 0 and shift:
+            task = rng.choices(tasks, task_weights(tasks, start + i, day_length, shift))[0]
+        else:
+            task = rng.choice(tasks)
+        plan.append((user, task, rng.randrange(1 << 30)))
+    return plan
+
+
+@dataclass
+class FeedbackBacklog:
+    """Feedback that users send late: (due chunk, api key, body), carried from one chunk of traffic
+    to a later one. Whatever is still here when the traffic ends was never sent."""
+
+    items: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
+    max_delay_chunks: int = 3
+
+    def due(self, chunk: int) -> list[tuple[str, dict[str, Any]]]:
+        ready = [(key, body) for c, key, body in self.items if c <= chunk]
+        self.items = [it for it in self.items if it[0] > chunk]
+        return ready
 
 
 @dataclass
@@ -145,14 +295,19 @@ class TrafficStats:
     accepted: int = 0
     errors: int = 0
     feedback_errors: int = 0
-    per_version: dict[str, list[int]] = field(default_factory=dict)  # version -> [n, accepted]
+    per_version: dict[str, list[int]] = field(default_factory=dict)  # version -> [judged, accepted]
+    per_kind: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # version -> kind -> [n, accepted]
     spaced: int = 0
     correct: int = 0
+    judged: int = 0
+    no_feedback: int = 0
+    delayed: int = 0
+    feedback_sent: int = 0
     error_samples: list[str] = field(default_factory=list)
 
     def accept_rate(self, version: str | None = None) -> float:
         if version is None:
-            return self.accepted / self.requests if self.requests else 0.0
+            return self.accepted / self.judged if self.judged else 0.0
         n, a = self.per_version.get(version, [0, 0])
         return a / n if n else 0.0
 
@@ -162,22 +317,49 @@ class TrafficStats:
         return d
 
 
+def _feedback_fate(user: SimUser, rng: random.Random) -> str:
+    """``now``, ``late`` or ``never`` (the simple preset always answers at once, drawing nothing)."""
+    if user.feedback_rate < 1.0 and rng.random() >= user.feedback_rate:
+        return "never"
+    if user.delay_probability > 0.0 and rng.random() < user.delay_probability:
+        return "late"
+    return "now"
+
+
 def run_traffic(base_url: str, users: Sequence[SimUser], tasks: Sequence[Task], *, n_requests: int,
                 model: str, seed: int = 0, concurrency: int = 4, temperature: float = 1.0, max_tokens: int = 16,
-                edit_probability: float = 0.0, timeout_s: float = 60.0) -> TrafficStats:
-    """Send ``n_requests`` completions through the gateway and report each user's judgement."""
+                edit_probability: float = 0.0, timeout_s: float = 60.0, backlog: FeedbackBacklog | None = None,
+                chunk: int = 0, start: int = 0, day_length: int = 0, shift: float = 0.0) -> TrafficStats:
+    """Send ``n_requests`` completions through the gateway and report each user's judgement.
+
+    Feedback owed from earlier chunks (``backlog``) goes out first; a user's late feedback is put in
+    ``backlog`` for a later chunk (without a backlog it is sent at once). ``start`` is this chunk's
+    first request number on the day (see :func:`plan_traffic`)."""
     import threading
 
     import httpx
     from openai import OpenAI
 
-    rng = random.Random(seed)
-    plan = [(rng.choice(users), rng.choice(tasks), rng.randrange(1 << 30)) for _ in range(n_requests)]
+    plan = plan_traffic(users, tasks, n_requests, seed, start=start, day_length=day_length, shift=shift)
     stats = TrafficStats()
     lock = threading.Lock()
     clients = {u.name: OpenAI(api_key=u.api_key, base_url=base_url.rstrip("/") + "/v1", timeout=timeout_s,
                               max_retries=2) for u in users}
     http = httpx.Client(base_url=base_url, timeout=timeout_s)
+    jitter = random.Random(seed + 1)
+
+    def send(key: str, body: dict[str, Any]) -> None:
+        try:
+            fb = http.post("/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"})
+            problem = f"feedback {fb.status_code}: {fb.text[:200]}" if fb.status_code >= 300 else None
+        except httpx.HTTPError as err:  # counted like a refused feedback; the simulation goes on
+            problem = f"feedback {type(err).__name__}: {err}"[:300]
+        with lock:
+            stats.feedback_sent += 1
+            if problem is not None:
+                stats.feedback_errors += 1
+                if len(stats.error_samples) < 5:
+                    stats.error_samples.append(problem)
 
     def one(item: tuple[SimUser, Task, int]) -> None:
         user, task, s = item
@@ -191,11 +373,17 @@ def run_traffic(base_url: str, users: Sequence[SimUser], tasks: Sequence[Task], 
             text = choice.text or ""
             version = resp.model.split("@", 1)[1] if "@" in resp.model else resp.model
             signal, kept = user.judge(task, text, r, edit_probability)
+            fate = _feedback_fate(user, r)
             body = {"completion_id": extra["completion_id"], "feedback_token": extra["feedback_token"],
                     "signal": signal}
             if kept is not None:
                 body["kept_text"] = kept
-            fb = http.post("/v1/feedback", json=body, headers={"Authorization": f"Bearer {user.api_key}"})
+            if fate == "now" or (fate == "late" and backlog is None):
+                send(user.api_key, body)
+            elif fate == "late":
+                with lock:
+                    due = chunk + 1 + jitter.randrange(max(1, backlog.max_delay_chunks))
+                    backlog.items.append((due, user.api_key, body))
         except Exception as err:  # one failed request must not stop the simulation; it is counted
             with lock:
                 stats.errors += 1
@@ -204,20 +392,24 @@ def run_traffic(base_url: str, users: Sequence[SimUser], tasks: Sequence[Task], 
             return
         with lock:
             stats.requests += 1
-            acc = signal == "accept"
-            stats.accepted += acc
             stats.correct += is_correct(text, task)
             stats.spaced += is_spaced(text)
-            pv = stats.per_version.setdefault(version, [0, 0])
-            pv[0] += 1
-            pv[1] += acc
-            if fb.status_code >= 300:
-                stats.feedback_errors += 1
-                if len(stats.error_samples) < 5:
-                    stats.error_samples.append(f"feedback {fb.status_code}: {fb.text[:200]}")
+            if fate == "never":
+                stats.no_feedback += 1
+                return
+            stats.delayed += fate == "late"
+            acc = signal == "accept"
+            stats.judged += 1
+            stats.accepted += acc
+            for tally in (stats.per_version.setdefault(version, [0, 0]),
+                          stats.per_kind.setdefault(version, {}).setdefault(user.kind, [0, 0])):
+                tally[0] += 1
+                tally[1] += acc
 
     try:
+        owed = backlog.due(chunk) if backlog is not None else []
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            list(pool.map(lambda kb: send(*kb), owed))
             list(pool.map(one, plan))
     finally:
         http.close()

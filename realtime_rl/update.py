@@ -28,6 +28,26 @@ clip bounds how far π_θ moves from the serving version; the sampling transform
 part of the environment. ``behaviour_logprobs = "sampling"`` uses the strict behaviour density instead;
 with temperature 1 and no truncation (the default gateway request) the two are identical.
 
+Robustness (see docs/algorithms.md): each example's advantage is multiplied by its balance weight
+(:func:`realtime_rl.dataset.balance_weights`: callers and task buckets with many examples count less
+per example) and, when negative, by ``negative_advantage_scale``; the baseline is the bucket mean plus
+the caller's own mean residual (:func:`realtime_rl.baseline.caller_centred`), which silences users
+who judge everything alike. Kept texts of edits are extra examples whose μ is the serving weights'
+recomputed log-prob, trained with the truncated-IS form instead of the clip; an edited completion is
+penalised only from the first token its user changed. Late feedback on an older production's
+completion keeps that version's logged log-probs as μ.
+
+Router replay (mixture-of-experts models, ``router_replay = "replay"``). The gateway logs, with every
+completion, the experts each MoE layer chose at each position (``routes``). Every forward pass of the
+update (the reference pass and each training step) forces those experts and recomputes the gate
+weights from the live router logits over them (:mod:`policy.routing`), so the update differentiates
+the same expert mixture that produced the logged tokens, and the router still learns through its
+weights. A logged record that does not fit the model is an error naming the layer. The reference
+pass also recomputes once without replay, so the returned metrics hold the train/inference k3 KL
+and |Δlogp| > ln 2 share both ways and the share of routes the trainer's routers would have chosen
+differently (``route_disagreement``). With ``"off"`` the routes are compared but never forced. A
+kept text was not sampled, so it has no routes and its routers choose freely.
+
 Departures from textbook REINFORCE: the importance ratio against μ instead of on-policy sampling
 (the data was produced before the update, and with ``on_policy_only`` off by older versions); the
 PPO-style clip with μ as the old policy (single rollout, several epochs); a leave-one-out bucket
@@ -49,6 +69,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from policy.distributed import DataParallel, setup
 from realtime_rl.config import UpdateSettings
 from realtime_rl.dataset import TrainingExample
 
@@ -87,15 +108,60 @@ def behaviour_logprobs(e: TrainingExample, which: str) -> list[float]:
     return e.example.logprobs
 
 
-def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequence[float], cfg: UpdateSettings,
-                 *, pad_token_id: int = 0, log: Callable[[str], None] = lambda _m: None,
-                 should_stop: Callable[[], bool] = lambda: False) -> dict[str, float]:
-    """A few epochs of AdamW on the objective in the module docstring; returns averaged metrics."""
+def _reference_pass(model, prompts, comps, routes, examples, served: list[bool], cfg: UpdateSettings,
+                    pad_token_id: int) -> tuple[list[list[float]], dict[str, float]]:
+    """The serving version's log-probs of every example (before any step), and the train/inference
+    mismatch metrics over the served completions' tokens (kept texts have no logged log-probs; router
+    replay's both ways when routes were logged)."""
     import torch
 
     from policy.logprobs import sequence_logprobs
-    from policy.losses import masked_mean, mismatch_metrics, reinforce_loss
+    from policy.losses import mismatch_metrics, replay_metrics
+    from policy.routing import RouteStats
 
+    replay = cfg.router_replay == "replay"
+    ref_all: list[list[float]] = []
+    other: list[list[float]] = []
+    stats = RouteStats()
+    for i in range(0, len(examples), cfg.minibatch_size):
+        sl = slice(i, i + cfg.minibatch_size)
+        tl = sequence_logprobs(model, prompts[sl], comps[sl], pad_token_id=pad_token_id,
+                               routes=None if routes is None else routes[sl], replay=replay)
+        n = tl.mask.sum(1).tolist()
+        ref_all += [row[:k] for row, k in zip(tl.logprobs.tolist(), n, strict=True)]
+        if routes is not None:  # the other router mode, for the comparison only
+            cf = sequence_logprobs(model, prompts[sl], comps[sl], pad_token_id=pad_token_id, routes=routes[sl],
+                                   replay=not replay)
+            other += [row[:k] for row, k in zip(cf.logprobs.tolist(), n, strict=True)]
+            stats = stats + (cf.route_stats if replay else tl.route_stats)
+    width = max(len(c) for c in comps)
+    mask = torch.zeros((len(comps), width), dtype=torch.bool)
+    for i, c in enumerate(comps):
+        mask[i, :len(c)] = served[i]
+    logged, ref = _pad([e.example.logprobs for e in examples], width), _pad(ref_all, width)
+    metrics = mismatch_metrics(ref, logged, mask)
+    if routes is not None:
+        off, rep = (_pad(other, width), ref) if replay else (ref, _pad(other, width))
+        metrics.update(replay_metrics(off, rep, logged, mask), route_disagreement=stats.rate,
+                       route_disagreement_tokens=stats.token_rate, router_replay=float(replay))
+    return ref_all, metrics
+
+
+def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequence[float], cfg: UpdateSettings,
+                 *, pad_token_id: int = 0, log: Callable[[str], None] = lambda _m: None,
+                 should_stop: Callable[[], bool] = lambda: False, dp: DataParallel | None = None) -> dict[str, float]:
+    """A few epochs of AdamW on the objective in the module docstring; returns averaged metrics.
+
+    With ``dp`` (several ranks, ``model`` sharded by ``dp.shard``) every rank holds every example and
+    computes the gradient of its rows of each minibatch (policy/distributed.py); the minibatches,
+    the metrics and the early stop are those of one process."""
+    import torch
+
+    from policy.logprobs import sequence_logprobs
+    from policy.losses import masked_mean
+    from policy.routes import Routes
+
+    dp = dp or DataParallel()
     if len(examples) != len(advantages):
         raise ValueError("one advantage per example")
     if not examples:
@@ -103,51 +169,78 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
     model.train()
     prompts = [e.example.prompt_token_ids for e in examples]
     comps = [e.example.completion_token_ids for e in examples]
-    mu_all = [behaviour_logprobs(e, cfg.behaviour_logprobs) for e in examples]
+    served = [e.source == "served" for e in examples]
+    # Routes belong to served completions only: a kept text was not sampled, its routers choose freely.
+    routes: list | None = [Routes.from_wire(e.example.routes) if ok and e.example.routes is not None else None
+                           for e, ok in zip(examples, served, strict=True)]
+    if all(r is None for r in routes):
+        routes = None
     # Reference = the serving (production) weights we start from; computed before the first step.
-    ref_all: list[list[float]] = []
-    mismatch = {"mismatch_abs_logp": 0.0, "mismatch_kl_k3": 0.0}
-    for i in range(0, len(examples), cfg.minibatch_size):
-        sl = slice(i, i + cfg.minibatch_size)
-        tl = sequence_logprobs(model, prompts[sl], comps[sl], pad_token_id=pad_token_id)
-        n = tl.mask.sum(1).tolist()
-        ref_all += [row[:k] for row, k in zip(tl.logprobs.tolist(), n, strict=True)]
-        logged = _pad([e.example.logprobs for e in examples[sl]], tl.mask.shape[1]).to(tl.logprobs.device)
-        mm = mismatch_metrics(tl.logprobs, logged, tl.mask)
-        w = len(n) / len(examples)
-        for k in mismatch:
-            mismatch[k] += w * mm[k]
+    dp.gather(model)  # every rank makes these no-grad passes over every example
+    ref_all, mismatch = _reference_pass(model, prompts, comps, routes, examples, served, cfg, pad_token_id)
+    dp.release(model)  # the optimizer must hold the sharded parameters
+    # μ: the logged log-probs of the version that served each completion (an older production's for
+    # late feedback); a kept text was sampled from nothing, so its μ is the serving weights' own.
+    mu_all = [behaviour_logprobs(e, cfg.behaviour_logprobs) if e.source == "served" else ref_all[j]
+              for j, e in enumerate(examples)]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)
     order = list(range(len(examples)))
     sums: dict[str, float] = {}
+    losses: list[float] = []
     steps = 0
     stopped = False
     for epoch in range(cfg.epochs):
         rng.shuffle(order)
         for i in range(0, len(order), cfg.minibatch_size):
-            if should_stop():
+            if dp.broadcast(should_stop()):
                 raise InterruptedError("update interrupted")
-            idx = order[i:i + cfg.minibatch_size]
-            tl = sequence_logprobs(model, [prompts[j] for j in idx], [comps[j] for j in idx], grad=True,
-                                   pad_token_id=pad_token_id)
-            width, dev = tl.mask.shape[1], tl.logprobs.device
-            mu = _pad([mu_all[j] for j in idx], width).to(dev)
-            ref = _pad([ref_all[j] for j in idx], width).to(dev) if cfg.kl_coef else None
-            adv = torch.tensor([advantages[j] for j in idx], dtype=torch.float32, device=dev)
-            loss, m = reinforce_loss(tl.logprobs, mu, adv, tl.mask, clip=cfg.clip, tis_cap=cfg.tis_cap,
-                                     level=cfg.is_level, ref_logp=ref, kl_coef=cfg.kl_coef)
+            idx = dp.rows(order[i:i + cfg.minibatch_size])  # this rank's rows (all of them in one process)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            dp.begin_backward(model)
+            loss, m, counts = None, {}, {"tokens": 0, "own": 0}
+            if idx:
+                tl = sequence_logprobs(model, [prompts[j] for j in idx], [comps[j] for j in idx], grad=True,
+                                       pad_token_id=pad_token_id,
+                                       routes=None if routes is None else [routes[j] for j in idx],
+                                       replay=cfg.router_replay == "replay")
+                width, dev = tl.mask.shape[1], tl.logprobs.device
+                mu = _pad([mu_all[j] for j in idx], width).to(dev)
+                ref = _pad([ref_all[j] for j in idx], width).to(dev) if cfg.kl_coef else None
+                # Balance weights scale the advantage: the loss is linear in A, so this weights example j's
+                # loss by w_j (the dual-clip bound C·A scales with it).
+                # Negative advantages are scaled by negative_advantage_scale (see the module docstring).
+                adv = torch.tensor([advantages[j] * examples[j].weight * (cfg.negative_advantage_scale
+                                                                         if advantages[j] < 0 else 1.0) for j in idx],
+                                   dtype=torch.float32, device=dev)
+                loss, m, counts["tokens"] = _mixed_loss(tl, mu, adv, ref, [served[j] for j in idx], cfg,
+                                                        [examples[j].kept_prefix if advantages[j] < 0 else 0
+                                                         for j in idx])
+                with torch.no_grad():
+                    # The trust region is measured on the policy's own samples: a kept text the serving
+                    # weights found unlikely would otherwise read as a large KL after a small step.
+                    refk = _pad([ref_all[j] for j in idx], width).to(dev)
+                    own = tl.mask & torch.tensor([served[j] for j in idx], device=dev).unsqueeze(1)
+                    counts["own"] = int(own.sum())
+                    m["kl_to_serving_k3"] = masked_mean(torch.exp(refk - tl.logprobs) - (refk - tl.logprobs) - 1,
+                                                        own).item() if counts["own"] else 0.0
+            # Every rank's loss and metrics are its part of the one-process values: token means, weighted
+            # by this rank's share of the minibatch's tokens (the normaliser of the token-level loss).
+            total = dp.sum_dict(counts)
+            share = {k: counts[k] / total[k] if dp.enabled and total[k] else 1.0 for k in counts}
+            loss_value = 0.0
+            if loss is not None and counts["tokens"]:
+                (loss * share["tokens"]).backward()
+                loss_value = float(loss.item()) * share["tokens"]
+            m = {k: v * share["own" if k == "kl_to_serving_k3" else "tokens"] for k, v in m.items()}
+            dp.end_backward(model)
+            gn = dp.clip_grad_norm(model.parameters(), cfg.max_grad_norm)
             opt.step()
             steps += 1
-            with torch.no_grad():
-                refk = _pad([ref_all[j] for j in idx], width).to(dev)
-                m["kl_to_serving_k3"] = masked_mean(torch.exp(refk - tl.logprobs) - (refk - tl.logprobs) - 1,
-                                                    tl.mask).item()
-            m.update(loss=float(loss.item()), grad_norm=float(gn))
+            m = dp.sum_dict({**m, "loss": loss_value})
+            m["grad_norm"] = gn
+            losses.append(m["loss"])
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
             if cfg.target_kl is not None and m["kl_to_serving_k3"] > cfg.target_kl:
@@ -163,25 +256,127 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
     out = {k: v / max(steps, 1) for k, v in sums.items()}
     out.update(mismatch)
     out["steps"] = float(steps)
+    out["loss_curve"] = losses
     out["early_stopped"] = float(stopped)
     return out
 
 
+def _mixed_loss(tl, mu, adv, ref, served_rows: list[bool], cfg: UpdateSettings, kept_prefix: list[int]):
+    """The clipped objective on served completions and the truncated-IS form (clip = None, weight
+    capped at ``tis_cap``) on kept texts, averaged over both sets' tokens.
+
+    A kept text is no sample of the serving version, and the ones users write are often ones it finds
+    unlikely; under the ratio clip each of its tokens could gain only ε of probability per update, so
+    the form users asked for would take many releases to appear. The KL early stop (measured on served
+    completions) still bounds how far the update moves the policy. ``kept_prefix[i]`` leading tokens
+    of row i are left out (an edit's unchanged beginning). Returns ``(loss, metrics, tokens)``, tokens
+    being the count both parts average over (a data-parallel rank weights its loss by its share)."""
+    import torch
+
+    from policy.losses import reinforce_loss
+
+    rows = torch.tensor(served_rows, device=tl.mask.device).unsqueeze(1)
+    # An edited completion is penalised from the first token its user changed on (credit assignment).
+    positions = torch.arange(tl.mask.shape[1], device=tl.mask.device).unsqueeze(0)
+    changed = positions >= torch.tensor(kept_prefix, device=tl.mask.device).unsqueeze(1)
+    parts, metrics = [], {}
+    for mask, clip in ((tl.mask & rows & changed, cfg.clip), (tl.mask & ~rows, None)):
+        tokens = int(mask.sum())
+        if tokens == 0:
+            continue
+        loss, m = reinforce_loss(tl.logprobs, mu, adv, mask, clip=clip, tis_cap=cfg.tis_cap, level=cfg.is_level,
+                                 ref_logp=ref, kl_coef=cfg.kl_coef)
+        parts.append((loss, tokens))
+        metrics = metrics or m
+    total = sum(t for _, t in parts)
+    return sum(loss * (t / total) for loss, t in parts), metrics, total
+
+
 def compute_advantages(examples: Sequence[TrainingExample], cfg: UpdateSettings, history, model=None,
                        pad_token_id: int = 0) -> tuple[list[float], list[float]]:
-    from realtime_rl.baseline import bucket_mean_advantages, value_head_advantages
+    """(advantages, baselines): the value head, or the bucket mean with the caller-centred term
+    (:func:`realtime_rl.baseline.caller_centred`; without it when ``caller_baseline_prior`` is 0). The
+    balance weights are applied in the loss."""
+    from realtime_rl.baseline import bucket_mean_advantages, caller_centred, value_head_advantages
 
     if cfg.baseline == "value_head":
         if model is None:
             raise ValueError("the value-head baseline needs the model")
         return value_head_advantages(model, examples, pad_token_id=pad_token_id)
+    if cfg.caller_baseline_prior > 0:
+        return caller_centred(examples, history, cfg.baseline_prior, cfg.caller_baseline_prior)
     return bucket_mean_advantages(examples, history, cfg.baseline_prior)
 
 
 def run_update_cycle(settings, *, force: bool = False, log: Callable[[str], None] = print, store=None,
                      evaluator=None, producer=None, should_stop: Callable[[], bool] = lambda: False,
-                     now: datetime | None = None) -> CycleResult:
-    """One cycle under the updater lock; see :func:`realtime_rl.release.cycle_body` for the steps."""
+                     now: datetime | None = None, tamper: Callable[[Any], str | None] | None = None) -> CycleResult:
+    """One cycle under the updater lock; see :func:`realtime_rl.release.cycle_body` for the steps.
+    ``tamper`` (benchmarks only) may break the trained candidate before it is published and gated.
+
+    Under torchrun (``distributed``) rank 0 runs the cycle; the other ranks only join its training
+    step (:func:`train_candidate`) and return rank 0's result."""
+    dp = setup(settings.distributed, settings.model.device)
+    if not dp.enabled:
+        return _cycle(settings, force=force, log=log, store=store, evaluator=evaluator, producer=producer,
+                      should_stop=should_stop, now=now, tamper=tamper)
+    if not dp.is_main:
+        return _follow(dp, settings)
+    result = None
+    try:
+        result = _cycle(settings, force=force, log=log, store=store, evaluator=evaluator, producer=producer,
+                        should_stop=should_stop, now=now, tamper=tamper)
+        return result
+    finally:
+        dp.broadcast((_DONE, result))
+
+
+_TRAIN, _DONE = "train", "done"
+
+
+def train_candidate(settings, policy, production: str, examples: Sequence[TrainingExample],
+                    advantages: Sequence[float], *, pad_token_id: int, log: Callable[[str], None],
+                    should_stop: Callable[[], bool]) -> dict[str, float]:
+    """The update of ``policy.model`` (the production weights, loaded on this process): in this
+    process, or under torchrun on every rank, each from ``production`` in the registry, with FSDP2;
+    the trained weights come back into ``policy.model`` on rank 0."""
+    dp = setup(settings.distributed, settings.model.device)
+    if not dp.enabled:
+        return train_policy(policy.model, examples, advantages, settings.update, pad_token_id=pad_token_id,
+                            log=log, should_stop=should_stop)
+    dp.broadcast((_TRAIN, {"production": production, "examples": list(examples), "advantages": list(advantages),
+                           "pad_token_id": pad_token_id}))
+    metrics, state = _train_sharded(dp, settings, production, examples, advantages, pad_token_id, log, should_stop)
+    policy.model.load_state_dict(state)
+    return metrics
+
+
+def _train_sharded(dp: DataParallel, settings, production: str, examples, advantages, pad_token_id: int,
+                   log: Callable[[str], None], should_stop: Callable[[], bool]) -> tuple[dict, dict | None]:
+    from policy.loading import load_policy
+    from realtime_rl.release import RegistryStore
+
+    model = load_policy(RegistryStore(settings).materialize(production), settings.model.dtype, dp.device).model
+    model = dp.shard(model)
+    metrics = train_policy(model, examples, advantages, settings.update, pad_token_id=pad_token_id, log=log,
+                           should_stop=should_stop, dp=dp)
+    return metrics, dp.full_state_dict(model)
+
+
+def _follow(dp: DataParallel, settings) -> CycleResult:
+    """A rank other than 0: train when rank 0 says so, until it says the cycle is over."""
+    while True:
+        kind, payload = dp.broadcast(None)
+        if kind == _DONE:
+            if payload is None:
+                raise RuntimeError("rank 0's update cycle failed; see its log")
+            return payload
+        _train_sharded(dp, settings, payload["production"], payload["examples"], payload["advantages"],
+                       payload["pad_token_id"], lambda _m: None, lambda: False)
+
+
+def _cycle(settings, *, force: bool, log: Callable[[str], None], store, evaluator, producer,
+           should_stop: Callable[[], bool], now: datetime | None, tamper) -> CycleResult:
     from realtime_rl.database import make_engine
     from realtime_rl.locks import updater_lock
     from realtime_rl.release import cycle_body
@@ -197,7 +392,7 @@ def run_update_cycle(settings, *, force: bool = False, log: Callable[[str], None
                 return CycleResult(run_id, "locked", "another updater holds the lock",
                                    seconds=time.perf_counter() - t0)
             result = cycle_body(settings, engine, run_id, force=force, log=log, store=store, evaluator=evaluator,
-                                producer=producer, should_stop=should_stop, now=now)
+                                producer=producer, should_stop=should_stop, now=now, tamper=tamper)
     finally:
         engine.dispose()
     result.seconds = time.perf_counter() - t0

@@ -8,6 +8,7 @@ rather than hiding them behind auto-commit.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import NamedTuple
 
 
@@ -55,6 +56,22 @@ class BusConsumer(ABC):
     @abstractmethod
     def assign(self, positions: dict[tuple[str, int], int]) -> None:
         """Consume exactly these partitions, starting at these offsets (next offset to read)."""
+
+    def subscribe(self, topics: list[str], on_rebalance: Callable[[str, set[tuple[str, int]]], None]) -> None:
+        """Share the topics' partitions with the other consumers of this group (Kafka's group protocol).
+
+        Which partitions this consumer holds changes inside :meth:`poll` when a member joins or leaves;
+        ``on_rebalance("revoked" | "assigned", partitions)`` is called then, from inside that poll. The
+        caller positions the assigned partitions with :meth:`seek`."""
+        raise NotImplementedError(f"{type(self).__name__} has no consumer groups: use the Kafka bus")
+
+    def assignment(self) -> set[tuple[str, int]]:
+        """The (topic, partition) pairs this consumer holds now (after :meth:`subscribe`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no consumer groups: use the Kafka bus")
+
+    def seek(self, positions: dict[tuple[str, int], int]) -> None:
+        """Next offsets to read on partitions this consumer holds (after :meth:`subscribe`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no consumer groups: use the Kafka bus")
 
     @abstractmethod
     def poll(self, timeout_s: float = 1.0, max_records: int = 5000) -> list[Record]: ...

@@ -7,10 +7,11 @@ needs it (the ingester is idempotent on event ids and does not rely on order wit
 down; every blocking step is bounded (``send_timeout_s`` for metadata and buffer space,
 ``delivery_timeout_ms`` for acknowledgement) and surfaces as :class:`BusUnavailable`.
 
-Consumer: manual partition assignment with explicit seeks; the group id is set (so lag tools see
-the group) but offsets are *not* committed to Kafka: the ingester stores them in its database, in
-the same transaction as the rows. Group-protocol timeouts come from settings (short by default so
-that a member that died is noticed within seconds).
+Consumer: manual partition assignment with explicit seeks, or (``subscribe``) Kafka's group protocol,
+which shares the partitions among the group's members and rebalances when one joins or dies. Either
+way offsets are *not* committed to Kafka: the ingester stores them in its database, in the same
+transaction as the rows, and seeks there. Group-protocol timeouts come from settings (short by
+default so that a member that died is noticed within seconds).
 
 Missing topics are created through the admin client with ``bus.partitions`` partitions.
 """
@@ -20,9 +21,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
@@ -169,6 +171,19 @@ class KafkaBusProducer(BusProducer):
                 self._producer = None
 
 
+class _Listener(ConsumerRebalanceListener):
+    """Hands kafka-python's rebalance callbacks to the consumer's owner as plain partition sets."""
+
+    def __init__(self, on_rebalance: Callable[[str, set[tuple[str, int]]], None]) -> None:
+        self._on_rebalance = on_rebalance
+
+    def on_partitions_revoked(self, revoked) -> None:
+        self._on_rebalance("revoked", {(tp.topic, tp.partition) for tp in revoked})
+
+    def on_partitions_assigned(self, assigned) -> None:
+        self._on_rebalance("assigned", {(tp.topic, tp.partition) for tp in assigned})
+
+
 class KafkaBusConsumer(BusConsumer):
     def __init__(self, settings: BusSettings, group: str) -> None:
         self._settings = settings
@@ -212,6 +227,18 @@ class KafkaBusConsumer(BusConsumer):
         self._consumer.assign(list(tps.values()))
         for pos, offset in positions.items():
             self._consumer.seek(tps[pos], offset)
+
+    def subscribe(self, topics: list[str], on_rebalance: Callable[[str, set[tuple[str, int]]], None]) -> None:
+        for topic in topics:
+            self._topics.ensure(topic)
+        self._consumer.subscribe(topics=list(topics), listener=_Listener(on_rebalance))
+
+    def assignment(self) -> set[tuple[str, int]]:
+        return {(tp.topic, tp.partition) for tp in self._consumer.assignment()}
+
+    def seek(self, positions: dict[tuple[str, int], int]) -> None:
+        for (topic, partition), offset in positions.items():
+            self._consumer.seek(TopicPartition(topic, partition), offset)
 
     def poll(self, timeout_s: float = 1.0, max_records: int = 5000) -> list[Record]:
         try:
