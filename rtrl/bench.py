@@ -9,22 +9,31 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import os
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
 
 BENCHMARKS: dict[str, str] = {
     "registry": "policy.bench_registry:run",
-    "grpo": "offline_rl.bench_grpo:run",
-    "gateway": "serving.bench_gateway:run",
+    "grpo": "benchmarks.grpo:run",
+    "gateway": "benchmarks.gateway:run",
     "ingest": "realtime_rl.bench_ingest:run",
-    "online": "realtime_rl.bench_online:run",
+    "online": "benchmarks.online:run",
+    "learning": "benchmarks.learning:run",
+    "chaos": "benchmarks.chaos:run",
+    "scale": "benchmarks.scale:run",
+    "router-replay": "benchmarks.router_replay:run",
+    "summarise": "benchmarks.summarise:run",
 }
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+"""Where full (not ``--quick``) runs append their JSON line, when rtrl runs from a source checkout."""
 
 
 CALIBRATION_LOOP = 1_000_000
@@ -62,6 +71,7 @@ def machine_record(threads: int) -> dict[str, Any]:
     this machine runs Python (``python_loop_ms``, see :func:`python_speed_ms`)."""
     load1, load5, _ = os.getloadavg()
     return {
+        "date": time.strftime("%Y-%m-%d"),
         "threads": threads,
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
@@ -86,6 +96,8 @@ def register(app: typer.Typer) -> None:
         name: str = typer.Argument(..., help=f"One of: {', '.join(sorted(BENCHMARKS))}."),
         as_json: bool = typer.Option(False, "--json", help="End with one JSON line (always printed last)."),
         quick: bool = typer.Option(False, "--quick", help="A reduced run (smaller sizes) for smoke tests."),
+        from_dir: str | None = typer.Option(None, "--from", help="Start from this model directory instead of "
+                                            "building and training one (benchmarks that train: learning, summarise)."),
         config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
     ) -> None:
         """Run a benchmark and print its result; the last line is one JSON object."""
@@ -95,7 +107,10 @@ def register(app: typer.Typer) -> None:
         run = resolve(name)
         record = {"bench": name, **machine_record(settings.model.threads)}
         t0 = time.perf_counter()
-        result = run(settings, quick=quick, log=lambda msg: typer.echo(msg, err=as_json))
+        extra = {"from_dir": from_dir} if from_dir else {}
+        if extra and "from_dir" not in inspect.signature(run).parameters:
+            raise typer.BadParameter(f"benchmark {name!r} does not take --from")
+        result = run(settings, quick=quick, log=lambda msg: typer.echo(msg, err=as_json), **extra)
         record.update(result)
         record["bench"] = name
         record["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -104,4 +119,8 @@ def register(app: typer.Typer) -> None:
             for key, value in record.items():
                 if not isinstance(value, list | dict):
                     typer.echo(f"{key:>28}: {value}")
-        typer.echo(json.dumps(record, default=str))
+        line = json.dumps(record, default=str)
+        if not quick and RESULTS_DIR.is_dir():
+            with open(RESULTS_DIR / f"{name}.jsonl", "a") as fh:
+                fh.write(line + "\n")
+        typer.echo(line)

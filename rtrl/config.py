@@ -27,10 +27,11 @@ from offline_rl.config import (
     JudgeSettings,
     MidtrainSettings,
     RewardSettings,
+    RolloutSettings,
     SandboxSettings,
     TaskSettings,
 )
-from policy.config import ModelSettings, RegistrySettings, TinyModelSettings
+from policy.config import DistributedSettings, ModelSettings, RegistrySettings, TinyModelSettings
 from realtime_rl.config import (
     BusSettings,
     DatabaseSettings,
@@ -65,8 +66,10 @@ class Settings(BaseSettings):
     tiny: TinyModelSettings = Field(default_factory=TinyModelSettings)
     registry: RegistrySettings = Field(default_factory=RegistrySettings)
     tasks: TaskSettings = Field(default_factory=TaskSettings)
+    distributed: DistributedSettings = Field(default_factory=DistributedSettings)
     midtrain: MidtrainSettings = Field(default_factory=MidtrainSettings)
     grpo: GRPOSettings = Field(default_factory=GRPOSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     eval: EvalSettings = Field(default_factory=EvalSettings)
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
     rewards: RewardSettings = Field(default_factory=RewardSettings)

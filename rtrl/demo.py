@@ -57,10 +57,13 @@ class DemoPlan:
 
     @staticmethod
     def for_mode(fast: bool) -> DemoPlan:
+        """``fast``: the offline stage on the function tasks (preset ``fast``); else the agent environment."""
         if fast:
+            # The realistic users judge about 6 of 10 completions: 160 fresh judgements per cycle take
+            # about the requests 256 took when every completion was judged, so CI is not slowed down.
             return DemoPlan(offline_preset="fast", releases=2, online_budget_s=300, update_interval="10s",
-                            min_feedback=256, traffic_chunk=64, final_requests=192)
-        return DemoPlan(offline_preset=None, releases=3, online_budget_s=480, update_interval="15s",
+                            min_feedback=160, traffic_chunk=64, final_requests=128)
+        return DemoPlan(offline_preset=None, releases=3, online_budget_s=600, update_interval="15s",
                         min_feedback=384, traffic_chunk=64, final_requests=384)
 
 
@@ -109,12 +112,12 @@ def _has_model(path: str | Path) -> bool:
 
 
 def stage_model(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
-    from policy.tiny import build_tiny_model
+    from offline_rl.corpus import build_default_model
 
     if _has_model(s.model.dir):
         log(f"model: using {s.model.dir}")
     else:
-        build_tiny_model(s.model.dir, s.tiny)
+        build_default_model(s.model.dir, s.tiny)
         log(f"model: built the tiny default model in {s.model.dir}")
     return {"model_dir": s.model.dir}
 
@@ -160,14 +163,16 @@ class _Traffic(threading.Thread):
         self.error_samples: list[str] = []
 
     def run(self) -> None:
-        from realtime_rl.simusers import run_traffic
+        from realtime_rl.simusers import FeedbackBacklog, run_traffic
 
         k = 0
         su = self.s.simusers
+        backlog = FeedbackBacklog(max_delay_chunks=su.max_delay_chunks)
         while not self.stop_event.is_set():
             stats = run_traffic(self.url, self.users, self.tasks, n_requests=self.chunk, model=self.s.model.name,
                                 seed=su.seed * 7919 + k, concurrency=su.concurrency, temperature=su.temperature,
-                                max_tokens=su.max_tokens, edit_probability=su.edit_probability)
+                                max_tokens=su.max_tokens, edit_probability=su.edit_probability, backlog=backlog,
+                                chunk=k, start=k * self.chunk, **su.traffic_options())
             k += 1
             self.requests += stats.requests
             self.errors += stats.errors
@@ -236,7 +241,7 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
     from realtime_rl.ingest import Ingester
     from realtime_rl.schedule import build_scheduler, scheduled_cycle
     from realtime_rl.schema import ensure_schema
-    from realtime_rl.simusers import make_population, register_keys
+    from realtime_rl.simusers import build_population, register_keys
     from serving.server import GatewayServer
 
     ensure_schema(s.db)
@@ -247,8 +252,10 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
         raise DemoError("online: the registry has no production version (the grpo stage publishes it)")
 
     su = s.simusers
-    users = make_population(su.n_users, su.seed, su.style_strictness_min, su.style_strictness_max)
+    users = build_population(su)
     register_keys(s, users)
+    state.data["online_user_kinds"] = {u.caller: u.kind for u in users}
+    state.save()
     tasks = generate_tasks(s.tasks.seed, s.tasks.heldout_fraction).train
     stop = threading.Event()
     server = GatewayServer(s).start()
@@ -267,7 +274,8 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
     traffic = _Traffic(server.url, users, tasks, s, plan.traffic_chunk)
     traffic.start()
     log(f"online: ingester and scheduler (every {plan.update_interval}, min_feedback {plan.min_feedback}) "
-        f"running; {len(users)} simulated users sending traffic")
+        f"running; {len(users)} simulated users ({su.population} population: "
+        f"{', '.join(sorted({u.kind for u in users}))}) sending traffic")
 
     # Swaps are saved as they happen, so that an interrupted and resumed stage still reports them.
     swaps: list[dict[str, Any]] = state.data.setdefault("online_swaps", [])
@@ -324,7 +332,8 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
         log("online: failed request samples: " + " | ".join(traffic.error_samples))
     return {"started_at": started, "first_production": first_production,
             "releases": [r["candidate_version"] for r in released], "requests": traffic.requests,
-            "failed_requests": traffic.errors, "swaps": swaps}
+            "failed_requests": traffic.errors, "swaps": swaps,
+            "user_kinds": state.data.get("online_user_kinds", {})}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,10 +342,10 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
 
 def gather_report(s: Settings, state: DemoState):
     from policy.registry import Registry
-    from realtime_rl.analytics import accept_rate_by_version
+    from realtime_rl.analytics import accept_rate_by_group, accept_rate_by_version
     from realtime_rl.database import make_engine
-    from realtime_rl.release import list_releases
-    from rtrl.report import ReportData, VersionRow
+    from realtime_rl.release import list_releases, list_runs
+    from rtrl.report import ReportData, VersionRow, summarise_mismatch
 
     grpo = state.done("grpo") or {}
     online = state.done("online") or {}
@@ -347,7 +356,19 @@ def gather_report(s: Settings, state: DemoState):
     data.stage_seconds = {k: v.get("seconds", 0.0) for k, v in state.data["stages"].items()}
 
     engine = make_engine(s.db)
+    metrics_path = Path(grpo["metrics"]) if grpo.get("metrics") else None
+    if metrics_path is not None and metrics_path.is_file():
+        steps = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        data.mismatch["offline GRPO"] = summarise_mismatch(steps)
+    runs = [r["metrics"].get("train", {}) for r in list_runs(engine, limit=500) if isinstance(r.get("metrics"), dict)]
+    if runs:
+        data.mismatch["real-time updates"] = summarise_mismatch(runs)
     accept = {r["version"]: r for r in accept_rate_by_version(engine).to_dict("records")}
+    by_kind: dict[str, dict[str, tuple[float, float, float, int]]] = {}
+    for r in accept_rate_by_group(engine, online.get("user_kinds") or state.data.get("online_user_kinds", {})
+                                  ).to_dict("records"):
+        by_kind.setdefault(r["version"], {})[r["group"]] = (r["accept_rate"], r["accept_ci_low"],
+                                                            r["accept_ci_high"], int(r["n_feedback"]))
     releases = {r["candidate_version"]: r for r in list_releases(engine, limit=500)}
     registry = Registry.from_settings(s.registry)
     infos = {v.id: v for v in registry.list()}
@@ -371,8 +392,13 @@ def gather_report(s: Settings, state: DemoState):
             ope_estimate=(rel or {}).get("ope_estimate"),
             delta_bytes=info.stored_bytes if info else None, raw_bytes=info.raw_bytes if info else None,
             kind=info.kind if info else "", released=(rel is None or rel["decision"] == "released"),
-            note=((rel or {}).get("reason") or "")[:80])
+            note=((rel or {}).get("reason") or "")[:80], per_kind=by_kind.get(version, {}),
+            decision=(rel or {}).get("decision") or "offline")
         data.versions.append(row)
+    # Every gate decision of this run, refusals with their reasons (canary verdicts included).
+    data.gate_decisions = [{"version": r["candidate_version"], "decision": r["decision"], "reason": r["reason"]}
+                           for r in sorted(releases.values(), key=lambda r: _as_utc(r["created_at"]))
+                           if since is None or _as_utc(r["created_at"]) >= since]
     return data
 
 
@@ -395,7 +421,7 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
     online stage after this many real-time releases instead of the plan's."""
     import torch
 
-    from rtrl.report import print_summary, write_report
+    from rtrl.report import online_summary, print_summary, write_report, write_summary
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     plan = DemoPlan.for_mode(fast)
@@ -410,6 +436,7 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
         state.reset_from("model")
         state.data.pop("online_started_at", None)
         state.data.pop("online_swaps", None)
+        state.data.pop("online_user_kinds", None)
     if state.data.get("fast") not in (None, fast):
         log("demo: switching between --fast and the full run: resetting the report stage only")
         state.reset_from("report")
@@ -452,9 +479,11 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
                 outputs["index"] = str(write_report(data, Path(s.var_dir) / "report"))
     data = gather_report(s, state)
     index = write_report(data, Path(s.var_dir) / "report")
+    write_summary(data, Path(s.var_dir) / "report")
     print_summary(data, stderr=summary_to_stderr)
     grpo, online = state.done("grpo") or {}, state.done("online") or {}
     summary = {
+        "env": s.env.kind,
         "gate": s.eval.gate_threshold,
         "gate_passed": bool(grpo.get("published_version")) and not grpo.get("skipped"),
         "pass_at_1_before": grpo.get("pass_at_1_before"),
@@ -468,9 +497,10 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
         "report": str(Path(index).resolve()),
         "stage_seconds": {k: v.get("seconds") for k, v in state.data["stages"].items()},
         "this_run_s": round(time.perf_counter() - t_all, 1),
-        "versions": [{"version": v.version, "stage": v.stage, "accept_rate": v.accept_rate, "ci": v.ci,
-                      "offline_pass_at_1": v.offline_pass_at_1, "ope_estimate": v.ope_estimate,
-                      "n_feedback": v.n_feedback} for v in data.versions],
+        "versions": [{"version": v.version, "stage": v.stage, "released": v.released, "accept_rate": v.accept_rate,
+                      "ci": v.ci, "offline_pass_at_1": v.offline_pass_at_1, "ope_estimate": v.ope_estimate,
+                      "n_feedback": v.n_feedback, "per_kind": v.per_kind} for v in data.versions],
+        "online": online_summary(data),
     }
     log(f"report: {index}")
     return summary
@@ -479,8 +509,9 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
 def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo(
-        fast: bool = typer.Option(False, "--fast", help="The reduced CI path (a few minutes): smaller offline "
-                                  "budgets, 2 real-time releases instead of 3."),
+        fast: bool = typer.Option(False, "--fast", help="The reduced CI path: the offline stage on the single-turn "
+                                  "function tasks (the 'functions' preset, minutes instead of the agent "
+                                  "environment's tens of minutes), 2 real-time releases instead of 3."),
         restart: bool = typer.Option(False, "--restart", help="Forget finished stages and start over "
                                      "(var/ contents are reused where they are valid)."),
         from_production: bool = typer.Option(False, "--from-production", help="Skip the offline stages: start "

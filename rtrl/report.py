@@ -26,6 +26,8 @@ class VersionRow:
     kind: str = ""
     released: bool = True
     note: str = ""
+    per_kind: dict[str, tuple[float, float, float, int]] = field(default_factory=dict)  # kind -> rate, lo, hi, n
+    decision: str = "offline"
 
 
 @dataclass
@@ -37,6 +39,65 @@ class ReportData:
     versions: list[VersionRow] = field(default_factory=list)
     swap_pauses_ms: list[float] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    gate_decisions: list[dict[str, str]] = field(default_factory=list)
+    mismatch: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per stage (offline GRPO, real-time updates): the train/inference gap metrics averaged over its
+    steps or update runs (:func:`summarise_mismatch`)."""
+
+
+MISMATCH_COLUMNS = {
+    "mismatch_kl_k3": "k3 KL (as trained)",
+    "mismatch_extreme_frac": "|Δlogp| > ln 2",
+    "router_kl_k3_off": "k3 KL, routers free",
+    "router_kl_k3_replay": "k3 KL, routes replayed",
+    "router_extreme_frac_off": "|Δlogp| > ln 2, free",
+    "router_extreme_frac_replay": "|Δlogp| > ln 2, replayed",
+    "route_disagreement": "routes differ",
+}
+"""The gap metrics the report shows (the router ones only exist for mixture-of-experts models)."""
+
+
+def summarise_mismatch(records: list[dict]) -> dict[str, float]:
+    """Mean of each :data:`MISMATCH_COLUMNS` metric over the records that carry it."""
+    out = {}
+    for key in MISMATCH_COLUMNS:
+        values = [float(r[key]) for r in records if isinstance(r.get(key), int | float)]
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def online_summary(data: ReportData) -> dict:
+    """The online stage in serving order: every version the run produced (refused candidates marked),
+    its realised accept rate with 95% CI, per user kind, offline pass@1 and the gate's off-policy
+    estimate; the gate's refusals with reasons; and how well the estimate predicted the realised rate
+    (mean absolute error over released versions that have both)."""
+    versions = [{"version": v.version, "released": v.released, "decision": v.decision,
+                 "accept_rate": v.accept_rate, "ci": list(v.ci) if v.ci else None, "n_feedback": v.n_feedback,
+                 "offline_pass_at_1": v.offline_pass_at_1, "ope_estimate": v.ope_estimate,
+                 "per_kind": {k: {"accept_rate": r, "ci": [lo, hi], "n": n} for k, (r, lo, hi, n)
+                              in sorted(v.per_kind.items())}} for v in data.versions]
+    pairs = [(v.ope_estimate, v.accept_rate) for v in data.versions
+             if v.released and v.ope_estimate is not None and v.accept_rate is not None]
+    refused = [d for d in data.gate_decisions if d["decision"] == "refused"]
+    served = [v for v in versions if v["released"] and v["accept_rate"] is not None]
+    first, last = (served[0], served[-1]) if served else (None, None)
+    gain = ((last["accept_rate"] - first["accept_rate"]) / first["accept_rate"]
+            if first and last and first is not last and first["accept_rate"] else None)
+    return {"versions": versions, "relative_gain": gain,
+            "ci_separated": bool(first and last and first is not last and last["ci"][0] > first["ci"][1]),
+            "gate": {"decisions": len(data.gate_decisions), "refused": len(refused),
+                     "refusal_reasons": [d["reason"] for d in refused]},
+            "ope_mae": sum(abs(e - r) for e, r in pairs) / len(pairs) if pairs else None, "ope_pairs": len(pairs)}
+
+
+def write_summary(data: ReportData, out_dir: str | Path) -> Path:
+    """``summary.json``: ``{"online": online_summary(data)}``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "summary.json"
+    path.write_text(json.dumps({"online": online_summary(data)}, indent=2, default=str))
+    return path
 
 
 def _plots(data: ReportData, out: Path) -> list[tuple[str, str]]:
@@ -84,6 +145,26 @@ def _plots(data: ReportData, out: Path) -> list[tuple[str, str]]:
     fig.savefig(out / "accept_rate.png")
     plt.close(fig)
     figures.append(("accept_rate.png", "Accept rate of each served version with 95% confidence intervals."))
+
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
+    kinds = sorted({k for v in served for k in v.per_kind})
+    for kind in kinds:
+        pts = [(i, v.per_kind[kind]) for i, v in enumerate(served) if kind in v.per_kind]
+        ax.errorbar([i for i, _ in pts], [p[0] for _, p in pts], yerr=[[p[0] - p[1] for _, p in pts],
+                    [p[2] - p[0] for _, p in pts]], fmt="o-", capsize=3, label=kind)
+    if served:
+        ax.set_xticks(range(len(served)), [v.version[:8] for v in served], rotation=20)
+    ax.set_ylabel("accept rate")
+    ax.set_title("Accept rate by kind of user")
+    ax.set_ylim(0, 1)
+    if kinds:
+        ax.legend(loc="upper left", fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "accept_rate_by_kind.png")
+    plt.close(fig)
+    figures.append(("accept_rate_by_kind.png", "Accept rate of each served version per kind of simulated user "
+                    "(95% CIs)."))
 
     sized = [v for v in data.versions if v.delta_bytes]
     fig, ax = plt.subplots(figsize=(6, 3.4), dpi=110)
@@ -136,6 +217,10 @@ def write_report(data: ReportData, out_dir: str | Path) -> Path:
     imgs = "\n".join(f'<figure><img src="{name}" alt="{html.escape(cap)}"><figcaption>{html.escape(cap)}'
                      f"</figcaption></figure>" for name, cap in figures)
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in data.stage_seconds.items())
+    gap_rows = "\n".join(
+        f"<tr><td>{html.escape(stage)}</td>" + "".join(f"<td>{_fmt(vals.get(k), 4)}</td>" for k in MISMATCH_COLUMNS)
+        + "</tr>" for stage, vals in data.mismatch.items())
+    gap_head = "".join(f"<th>{html.escape(name)}</th>" for name in MISMATCH_COLUMNS.values())
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>rtrl lifecycle report</title>
 <style>
@@ -161,12 +246,48 @@ td, th {{ border-bottom: 1px solid #e5e5e5; padding: .3rem .5rem; text-align: le
 <table><thead><tr><th>version</th><th>stage</th><th>released</th><th>offline pass@1</th><th>accept rate</th>
 <th>95% CI</th><th>feedback</th><th>OPE estimate</th><th>note</th></tr></thead>
 <tbody>{rows}</tbody></table>
+{_online_tables(data)}
+<h2>Train/inference gap</h2>
+<p>Trainer's recompute against the inference engine's log-probs, averaged over GRPO steps and real-time
+update runs; with a mixture-of-experts model also with the routers free and with the inference routes
+replayed, and the share of (position, layer) routes the trainer would choose differently.</p>
+<table><thead><tr><th>stage</th>{gap_head}</tr></thead><tbody>{gap_rows}</tbody></table>
 <p style="color:#666;font-size:.85rem">Stage times: {html.escape(stages)}</p>
 </body></html>
 """
     (out / "index.html").write_text(page, encoding="utf-8")
     (out / "report.json").write_text(json.dumps(asdict(data), indent=2, default=str))
     return out / "index.html"
+
+
+def _online_tables(data: ReportData) -> str:
+    """Per-kind accept rates, the gate's estimate next to what each release realised, and every gate
+    decision with its reason."""
+    served = [v for v in data.versions if v.accept_rate is not None]
+    kinds = sorted({k for v in served for k in v.per_kind})
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in kinds)
+    rows = "\n".join("<tr><td>" + html.escape(v.version[:12]) + "</td>" + "".join(
+        f"<td>{_fmt(v.per_kind[k][0])} [{_fmt(v.per_kind[k][1])}, {_fmt(v.per_kind[k][2])}] n={v.per_kind[k][3]}</td>"
+        if k in v.per_kind else "<td>–</td>" for k in kinds) + "</tr>" for v in served)
+    summary = online_summary(data)
+    ope = "\n".join(f"<tr><td>{html.escape(v.version[:12])}</td><td>{_fmt(v.ope_estimate)}</td>"
+                     f"<td>{_fmt(v.accept_rate)}</td></tr>" for v in data.versions
+                     if v.released and v.ope_estimate is not None)
+    decisions = "\n".join(f"<tr><td>{html.escape(d['version'][:12])}</td><td>{html.escape(d['decision'])}</td>"
+                           f"<td>{html.escape(d['reason'])}</td></tr>" for d in data.gate_decisions)
+    gain = summary["relative_gain"]
+    return f"""<h2>Real-time releases</h2>
+<p>First served → last release: accept rate {"–" if gain is None else f"{gain:+.1%}"} relative
+(95% CIs {"separated" if summary["ci_separated"] else "overlapping"}); the gate refused
+{summary["gate"]["refused"]} of {summary["gate"]["decisions"]} candidates.</p>
+<h3>Accept rate by kind of user</h3>
+<table><thead><tr><th>version</th>{head}</tr></thead><tbody>{rows}</tbody></table>
+<h3>Gate estimate vs realised</h3>
+<p>Mean absolute error of the off-policy estimate: {_fmt(summary["ope_mae"])} over {summary["ope_pairs"]} releases.</p>
+<table><thead><tr><th>version</th><th>OPE estimate before release</th><th>realised accept rate</th></tr></thead>
+<tbody>{ope}</tbody></table>
+<h3>Gate decisions</h3>
+<table><thead><tr><th>candidate</th><th>decision</th><th>reason</th></tr></thead><tbody>{decisions}</tbody></table>"""
 
 
 def print_summary(data: ReportData, stderr: bool = False) -> None:
@@ -182,5 +303,20 @@ def print_summary(data: ReportData, stderr: bool = False) -> None:
                       str(v.n_feedback), _fmt(v.ope_estimate))
     console = Console(stderr=stderr)
     console.print(table)
+    kinds = sorted({k for v in data.versions for k in v.per_kind})
+    if kinds:
+        by_kind = Table(title="accept rate by kind of user")
+        for col in ("version", *kinds):
+            by_kind.add_column(col)
+        for v in data.versions:
+            if v.per_kind:
+                by_kind.add_row(v.version[:12], *(f"{_fmt(v.per_kind[k][0])} [{_fmt(v.per_kind[k][1])}, "
+                                                  f"{_fmt(v.per_kind[k][2])}]" if k in v.per_kind else "–"
+                                                  for k in kinds))
+        console.print(by_kind)
+    refused = [d for d in data.gate_decisions if d["decision"] == "refused"]
+    if refused:
+        console.print(f"gate refused {len(refused)} of {len(data.gate_decisions)}: "
+                      + "; ".join(f"{d['version'][:8]}: {d['reason'][:90]}" for d in refused))
     console.print(f"held-out pass@1 {_fmt(data.pass_before)} → {_fmt(data.pass_after)} (gate {data.gate:.2f}); "
                   f"stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in data.stage_seconds.items()))

@@ -1,0 +1,436 @@
+"""`rtrl bench online`: the real-time RL loop end to end, on the real parts.
+
+Each cell runs K cycles (3 with --quick, else 4) of: simulated users → gateway (openai client, real
+uvicorn) → event bus → ingest (feedback tables) → single-rollout update → release gate → registry
+promotion → the gateway hot-swaps. A final round of traffic (twice a cycle's) measures the last
+released version. Reported per version: the realised accept rate with a Wilson CI (overall and per
+user kind), the gate's off-policy (SNIPS) estimate made *before* the version served (to be compared
+with what it then realised), its offline held-out pass@1, and the time per cycle.
+
+Cells (each from the same base model, in a directory of its own):
+
+* ``realistic``: the realistic population (``simusers.population``), no adversarial users;
+* ``adversarial``: the same with ``adversarial_share`` 0.1 (loud users who reject or accept everything);
+* ``sabotage``: the realistic population, but every other candidate is broken after training (its
+  weights perturbed, or replaced by a regressed checkpoint) before the gate sees it: every broken
+  candidate must be refused, and no release may serve worse than its parent;
+* ``simple`` (full run only): today's simple population, for comparison with earlier results.
+
+The headline (``population`` = realistic) carries the realistic cell's gain and CI separation, the
+adversarial cell's gain, the sabotage counts, and the OPE calibration: the mean absolute error
+between the gate's estimate and the realised accept rate of each released version.
+
+Everything lives in a fresh directory (``bench_dir`` or a temp dir): its own registry, feedback
+database, bus log, API keys, so a benchmark never touches the user's production channel. The base
+model is, in order: the user's registry ``production`` version, ``grpo.out_dir``/``midtrain.out_dir``
+when they hold a model, else ``model.dir``; if its held-out pass@1 is below ``eval.gate_threshold`` it
+is first mid-trained (``offline_rl.midtrain``) so the online stage starts from a usable model.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MIDTRAIN_STEPS_OVER_GATE = 600  # held-out pass@1 0.63-0.68 on the tiny model (offline_rl/presets.py)
+
+
+def _bench_settings(settings, root: Path, quick: bool):
+    s = settings.model_copy(deep=True)
+    s.db = s.db.model_copy(update={"url": type(s.db.url)(f"sqlite:///{root / 'feedback.db'}")})
+    s.bus = s.bus.model_copy(update={"backend": "embedded", "embedded_path": str(root / "bus.db")})
+    s.registry = s.registry.model_copy(update={"url": str(root / "registry"), "cache_dir": str(root / "cache")})
+    s.serving = s.serving.model_copy(update={
+        "api_keys_file": str(root / "api_keys.json"), "source": "registry", "poll_interval_s": 0.5, "port": 0,
+        "spill_dir": str(root / "spill"), "canary_share": 0.0, "rate_limit_rps": 1000.0,
+        "rate_limit_burst": 2000})
+    s.update = s.update.model_copy(update={"work_dir": str(root / "runs")})
+    s.schedule = s.schedule.model_copy(update={"min_feedback": 1})
+    # Enough concurrent callers that the gateway's micro-batches fill.
+    s.simusers = s.simusers.model_copy(update={"concurrency": max(s.simusers.concurrency, 16)})
+    if quick:
+        s.simusers = s.simusers.model_copy(update={"requests_per_cycle": min(s.simusers.requests_per_cycle, 512)})
+    return s
+
+
+def _has_model(path: str | Path | None) -> bool:
+    return bool(path) and (Path(path) / "config.json").is_file() and any(Path(path).glob("*.safetensors"))
+
+
+def _base_model(settings, root: Path, log) -> tuple[Path, bool]:
+    """(directory, trained): ``trained`` when it comes from the registry or an offline stage's output."""
+    try:
+        from policy.registry import Registry
+
+        reg = Registry(settings.registry.url)
+        prod = reg.channel("production")
+        if prod:
+            log(f"base model: production version {prod} of {settings.registry.url}")
+            return Path(reg.materialize(prod, out_dir=root / "base")), True
+    except Exception as err:  # no registry yet is normal on a fresh checkout
+        log(f"base model: no registry production version ({type(err).__name__}: {err})")
+    for cand in (Path(settings.grpo.out_dir) / "final", Path(settings.grpo.out_dir), Path(settings.midtrain.out_dir)):
+        if _has_model(cand):
+            log(f"base model: {cand}")
+            return cand, True
+    if not _has_model(settings.model.dir):
+        from offline_rl.corpus import build_default_model
+
+        log(f"base model: building the tiny model in {root / 'tiny'}")
+        return build_default_model(root / "tiny", settings.tiny), False
+    log(f"base model: {settings.model.dir}")
+    return Path(settings.model.dir), False
+
+
+class _RegistryChannels:
+    """The gateway's version source, on the bench's own registry (``Gateway(source=...)``)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+    def current(self, channel: str):
+        from serving.versions import VersionRef
+
+        version = self.store.registry.channel(channel)
+        if version is None:
+            return None
+        return VersionRef(str(version), self.store.materialize(str(version)), channel)
+
+
+def _wait_for_version(base_url: str, key: str, model: str, version: str, timeout_s: float = 120.0) -> bool:
+    from openai import OpenAI
+
+    client = OpenAI(api_key=key, base_url=base_url + "/v1", timeout=30)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            resp = client.completions.create(model=model, prompt="# f(0)=1\ndef f(x): return ", max_tokens=1)
+            if resp.model.endswith("@" + version):
+                return True
+            time.sleep(0.5)
+    finally:
+        client.close()
+    return False
+
+
+def _drain(ingester, expected_feedback: int, timeout_s: float = 60.0) -> int:
+    """Ingest until the bus is idle and every judgement sent so far is accounted for: a ``feedback``
+    row, or a dead letter (the ingester refuses e.g. text with a NUL character, which a random model
+    can write and a simulated user can keep in an edit)."""
+    import sqlalchemy as sa
+
+    from realtime_rl import tables as t
+
+    def accounted(conn) -> int:
+        n = conn.execute(sa.select(sa.func.count()).select_from(t.feedback)).scalar()
+        raws = conn.execute(sa.select(t.dead_letters.c.raw)).scalars()
+        return n + sum(b'"type":"feedback"' in bytes(r) for r in raws)
+
+    total, idle = 0, 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        n = ingester.run_once()
+        total += n
+        idle = idle + 1 if n == 0 else 0
+        if idle >= 2:
+            with ingester.engine.connect() as conn:
+                if accounted(conn) >= expected_feedback:
+                    return total
+    with ingester.engine.connect() as conn:
+        counts = {tb.name: conn.execute(sa.select(sa.func.count()).select_from(tb)).scalar()
+                  for tb in (t.completions, t.feedback, t.pending_feedback, t.training_examples, t.dead_letters)}
+    raise RuntimeError(f"ingest did not catch up within {timeout_s} s ({expected_feedback} judgements "
+                       f"expected; rows {counts})")
+
+
+def _ci(n: int, a: int) -> list[float] | None:
+    from realtime_rl.ope import accept_rate_ci
+
+    return list(accept_rate_ci([True] * a + [False] * (n - a))) if n else None
+
+
+def _sabotage(regressed_dir: Path | None, seed: int, scale: float = 1 / 3) -> Callable[[int, Any], str | None]:
+    """Breaks the candidates of even cycles: cycle 0, 4, ... adds noise of ``scale`` times each weight
+    tensor's spread; cycle 2, 6, ... loads a regressed checkpoint (an earlier stage's output, or a fresh
+    untrained model) into the candidate. Returns the tamper hook and records what it did."""
+    import torch
+
+    def tamper(cycle: int, model) -> str | None:
+        if cycle % 2:
+            return None
+        if cycle % 4 == 0 or regressed_dir is None:
+            gen = torch.Generator().manual_seed(seed + cycle)
+            with torch.no_grad():
+                for p in model.parameters():
+                    spread = float(p.float().std()) if p.numel() > 1 else 0.0
+                    p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * spread * scale)
+            return "perturbed"
+        from policy.loading import load_model
+
+        regressed = load_model(regressed_dir)
+        model.load_state_dict(regressed.state_dict())
+        return "regressed checkpoint"
+
+    return tamper
+
+
+def _regressed_checkpoint(settings, root: Path, log) -> Path:
+    """An earlier stage's output to pose as a regressed candidate, else a freshly initialised model."""
+    for cand in (Path(settings.midtrain.out_dir), Path(settings.model.dir)):
+        if _has_model(cand):
+            return cand
+    from offline_rl.corpus import build_default_model
+
+    log(f"sabotage: no earlier checkpoint; a fresh tiny model in {root / 'regressed'} stands in")
+    return build_default_model(root / "regressed", settings.tiny)
+
+
+def _cell_settings(s, root: Path, name: str):
+    c = s.model_copy(deep=True)
+    c.db = c.db.model_copy(update={"url": type(c.db.url)(f"sqlite:///{root / 'feedback.db'}")})
+    c.bus = c.bus.model_copy(update={"embedded_path": str(root / "bus.db")})
+    c.registry = c.registry.model_copy(update={"url": str(root / "registry"), "cache_dir": str(root / "cache")})
+    c.serving = c.serving.model_copy(update={"api_keys_file": str(root / "api_keys.json"),
+                                             "spill_dir": str(root / "spill")})
+    c.update = c.update.model_copy(update={"work_dir": str(root / "runs")})
+    if name == "simple":
+        c.simusers = c.simusers.model_copy(update={"population": "simple"})
+    elif name == "adversarial":
+        c.simusers = c.simusers.model_copy(update={"population": "realistic", "adversarial_share": 0.1})
+    else:
+        c.simusers = c.simusers.model_copy(update={"population": "realistic", "adversarial_share": 0.0})
+    return c
+
+
+def run_cell(s, root: Path, base_dir: Path, base_pass: float, evaluator, K: int, log: Callable[[str], None],
+             tamper: Callable[[int, Any], str | None] | None = None) -> dict[str, Any]:
+    """K cycles of the loop on one population (see the module docstring); returns the cell's record."""
+    from offline_rl.tasks import generate_tasks
+    from realtime_rl.ingest import Ingester
+    from realtime_rl.release import RegistryStore
+    from realtime_rl.simusers import FeedbackBacklog, build_population, register_keys, run_traffic
+    from realtime_rl.update import run_update_cycle
+    from serving.gateway import Gateway
+    from serving.server import GatewayServer
+
+    root.mkdir(parents=True, exist_ok=True)
+    store = RegistryStore(s)
+    base_version = store.publish(base_dir, parent=None, metrics={"offline_pass_at_1": base_pass})
+    store.promote(base_version, "production")
+    su = s.simusers
+    users = build_population(su)
+    register_keys(s, users)
+    train_tasks = generate_tasks(s.tasks.seed, s.tasks.heldout_fraction).train
+    versions: dict[str, dict[str, Any]] = {base_version: {"version": base_version, "parent": None, "n": 0,
+                                                          "accepted": 0, "kinds": {}, "offline_pass_at_1": base_pass,
+                                                          "decision": "base"}}
+    order = [base_version]
+    cycles_out: list[dict[str, Any]] = []
+    backlog = FeedbackBacklog(max_delay_chunks=su.max_delay_chunks)
+    sent, broken = 0, []
+    ingester = Ingester(s, log_fn=lambda m: None)
+    server = GatewayServer(s, gateway=Gateway(s, source=_RegistryChannels(store))).start()
+    try:
+        for k in range(K + 1):
+            tc = time.perf_counter()
+            prod = store.production()
+            n_req = su.requests_per_cycle * (2 if k == K else 1)
+            stats = run_traffic(server.url, users, train_tasks, n_requests=n_req, model=s.model.name,
+                                seed=su.seed * 1000 + k, concurrency=su.concurrency, temperature=su.temperature,
+                                max_tokens=su.max_tokens, edit_probability=su.edit_probability,
+                                backlog=backlog, chunk=k, start=k * su.requests_per_cycle, **su.traffic_options())
+            t_traffic = time.perf_counter() - tc
+            for v, (n, a) in stats.per_version.items():
+                rec = versions.setdefault(v, {"version": v, "n": 0, "accepted": 0, "kinds": {}})
+                rec["n"] += n
+                rec["accepted"] += a
+                for kind, (kn, ka) in stats.per_kind.get(v, {}).items():
+                    tally = rec.setdefault("kinds", {}).setdefault(kind, [0, 0])
+                    tally[0] += kn
+                    tally[1] += ka
+            log(f"cycle {k}: {stats.requests} requests on {prod}: accept {stats.accept_rate():.3f} of "
+                f"{stats.judged} judged ({stats.no_feedback} without feedback, {stats.delayed} late; "
+                f"errors {stats.errors})")
+            if stats.error_samples:
+                log("  errors: " + " | ".join(stats.error_samples[:3]))
+            row: dict[str, Any] = {"cycle": k, "served": prod, "accept_rate": stats.accept_rate(),
+                                   "requests": stats.requests, "judged": stats.judged,
+                                   "request_errors": stats.errors, "feedback_errors": stats.feedback_errors,
+                                   "traffic_s": round(t_traffic, 1)}
+            if k == K:
+                cycles_out.append(row)
+                break
+            t1 = time.perf_counter()
+            sent += stats.feedback_sent - stats.feedback_errors
+            row["ingested"] = _drain(ingester, sent)
+            t2 = time.perf_counter()
+            hook = (lambda model, k=k: tamper(k, model)) if tamper is not None else None
+            result = run_update_cycle(s, force=True, log=log, store=store, evaluator=evaluator, tamper=hook)
+            note = result.metrics.get("tampered")
+            gate = result.gate or {}
+            ope = gate.get("ope") or {}
+            log(f"cycle {k}: update {result.status}{' (' + note + ')' if note else ''}: {result.reason}")
+            if result.candidate_version:
+                if note:
+                    broken.append({"cycle": k, "how": note, "version": result.candidate_version,
+                                   "decision": result.status, "reason": result.reason})
+                rec = versions.setdefault(result.candidate_version, {"version": result.candidate_version,
+                                                                     "n": 0, "accepted": 0, "kinds": {}})
+                rec.update(parent=prod, decision=result.status, offline_pass_at_1=gate.get("candidate_pass_at_1"),
+                           ope_estimate=ope.get("estimate"), ope_ci=ope.get("ci"), ope_ess=ope.get("ess"),
+                           production_realised_on_heldout=gate.get("production_accept_rate"), broken=bool(note))
+                if result.status == "released":
+                    order.append(result.candidate_version)
+                    if not _wait_for_version(server.url, users[0].api_key, s.model.name, result.candidate_version):
+                        raise RuntimeError(f"the gateway did not switch to {result.candidate_version}")
+            train = result.metrics.get("train", {})
+            row.update(status=result.status, candidate=result.candidate_version, tampered=note,
+                       ingest_s=round(t2 - t1, 1), update_s=round(time.perf_counter() - t2, 1),
+                       cycle_s=round(time.perf_counter() - tc, 1),
+                       dataset={k2: result.metrics.get("dataset", {}).get(k2) for k2 in
+                                ("train", "heldout", "kept", "kept_unusable", "late", "off_policy", "refeedback",
+                                 "orphaned", "capped")},
+                       train={k2: train.get(k2) for k2 in ("loss", "ratio_mean", "clip_fraction", "kl_to_serving_k3",
+                                                           "mismatch_abs_logp", "reward_mean", "steps")})
+            cycles_out.append(row)
+    finally:
+        server.stop()
+        ingester.engine.dispose()
+    return _summarise_cell(versions, order, cycles_out, broken, s, len(backlog.items))
+
+
+def _summarise_cell(versions, order, cycles_out, broken, s, never_sent: int) -> dict[str, Any]:
+    out_versions = []
+    for v in order + [v for v in versions if v not in order]:
+        rec = versions[v]
+        n, a = rec.get("n", 0), rec.get("accepted", 0)
+        out_versions.append({"version": v, "parent": rec.get("parent"), "decision": rec.get("decision"),
+                             "broken": rec.get("broken", False), "judged": n, "accept_rate": a / n if n else None,
+                             "ci": _ci(n, a), "per_kind": {kind: {"n": kn, "accept_rate": ka / kn if kn else None,
+                                                                  "ci": _ci(kn, ka)}
+                                                           for kind, (kn, ka) in sorted(rec.get("kinds", {}).items())},
+                             "offline_pass_at_1": rec.get("offline_pass_at_1"),
+                             "ope_estimate": rec.get("ope_estimate"), "ope_ci": rec.get("ope_ci"),
+                             "ope_ess": rec.get("ope_ess")})
+    by_id = {v["version"]: v for v in out_versions}
+    first, last = by_id[order[0]], by_id[order[-1]]
+    gain = ((last["accept_rate"] - first["accept_rate"]) / first["accept_rate"]
+            if first["accept_rate"] and last["accept_rate"] is not None and len(order) > 1 else 0.0)
+    separated = bool(len(order) > 1 and first["ci"] and last["ci"] and last["ci"][0] > first["ci"][1])
+    regressions = [v["version"] for v in out_versions[1:len(order)]
+                   if v["broken"] or (v["ci"] and by_id[v["parent"]]["accept_rate"] is not None
+                                      and v["ci"][1] < by_id[v["parent"]]["accept_rate"])]
+    ope_pairs = [(v["ope_estimate"], v["accept_rate"]) for v in out_versions[1:len(order)]
+                 if v["ope_estimate"] is not None and v["accept_rate"] is not None]
+    released_pass = [by_id[v]["offline_pass_at_1"] for v in order]
+    return {
+        "population": s.simusers.population, "adversarial_share": s.simusers.adversarial_share,
+        "relative_gain": gain, "ci_separated": separated, "releases": len(order) - 1,
+        "first_accept": first["accept_rate"], "first_ci": first["ci"], "last_accept": last["accept_rate"],
+        "last_ci": last["ci"],
+        "offline_pass_min_released": min((p for p in released_pass if p is not None), default=None),
+        "all_released_at_gate": all(p is not None and p >= s.eval.gate_threshold - s.release.gate_tolerance
+                                    for p in released_pass),
+        "regressions": regressions, "broken": broken,
+        "ope_pairs": ope_pairs, "late_feedback_never_sent": never_sent,
+        "versions": out_versions, "per_cycle": cycles_out,
+    }
+
+
+def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycles: int | None = None,
+        bench_dir: str | Path | None = None, cells: tuple[str, ...] | None = None) -> dict[str, Any]:
+    import torch
+
+    from policy.loading import load_policy
+    from realtime_rl.release import default_evaluator
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(settings.model.threads)
+    root = Path(bench_dir or tempfile.mkdtemp(prefix="rtrl-online-"))
+    root.mkdir(parents=True, exist_ok=True)
+    s = _bench_settings(settings, root, quick)
+    K = cycles or (3 if quick else 4)
+    cells = cells or (("realistic", "adversarial", "sabotage") if quick else
+                      ("realistic", "adversarial", "sabotage", "simple"))
+    t_start = time.perf_counter()
+
+    base_dir, trained = _base_model(settings, root, log)
+    base = load_policy(base_dir, s.model.dtype, s.model.device)
+    evaluator = default_evaluator(s, base.tokenizer)
+    base_pass = evaluator(base.model)
+    log(f"base held-out pass@1 {base_pass:.3f} (gate {s.eval.gate_threshold})")
+    warmup: dict[str, Any] = {}
+    if base_pass < s.eval.gate_threshold and not trained:
+        from offline_rl.midtrain import run_midtrain
+
+        # The default mid-training stops *below* the gate on purpose (GRPO's job is to cross it); the
+        # online bench needs a production-grade start without running GRPO, so it trains longer.
+        steps = 200 if quick else max(MIDTRAIN_STEPS_OVER_GATE, s.midtrain.steps)
+        log(f"below the gate: mid-training {steps} steps first")
+        mt = s.model_copy(update={"midtrain": s.midtrain.model_copy(update={"steps": steps, "eval_at_end": False})})
+        t0 = time.perf_counter()
+        base_dir = run_midtrain(mt, init_dir=base_dir, out_dir=root / "midtrain", progress=False, log=log)
+        base = load_policy(base_dir, s.model.dtype, s.model.device)
+        base_pass = evaluator(base.model)
+        warmup = {"midtrain_steps": steps, "midtrain_s": round(time.perf_counter() - t0, 1), "pass_at_1": base_pass}
+        log(f"after mid-training: held-out pass@1 {base_pass:.3f}")
+    if base_pass < s.eval.gate_threshold:
+        log(f"warning: the base model's pass@1 {base_pass:.3f} is below the gate {s.eval.gate_threshold}: the "
+            "offline check will refuse every candidate (run the offline stage further, or lower eval.gate_threshold)")
+    del base
+
+    results: dict[str, dict[str, Any]] = {}
+    for name in cells:
+        log(f"--- cell {name}")
+        tc = time.perf_counter()
+        cell_root = root / name
+        tamper = _sabotage(_regressed_checkpoint(s, cell_root, log), s.update.seed) if name == "sabotage" else None
+        results[name] = run_cell(_cell_settings(s, cell_root, name), cell_root, base_dir, base_pass, evaluator, K,
+                                 log, tamper=tamper)
+        results[name]["cell_s"] = round(time.perf_counter() - tc, 1)
+        log(f"--- cell {name}: gain {results[name]['relative_gain']:+.3f}, {results[name]['releases']} releases, "
+            f"{results[name]['cell_s']} s")
+    return _headline(results, s, K, base_pass, warmup, root, t_start)
+
+
+def _headline(results, s, K, base_pass, warmup, root, t_start) -> dict[str, Any]:
+    real = results.get("realistic", {})
+    adv = results.get("adversarial", {})
+    sab = results.get("sabotage")
+    pairs = [p for name in ("realistic", "adversarial") for p in results.get(name, {}).get("ope_pairs", [])]
+    gain, gain_adv = real.get("relative_gain"), adv.get("relative_gain")
+    sabotage = None
+    if sab is not None:
+        sabotage = {"candidates": sum(1 for c in sab["per_cycle"] if c.get("candidate")),
+                    "broken": len(sab["broken"]),
+                    "refused_broken": sum(b["decision"] != "released" for b in sab["broken"]),
+                    "refused": sum(1 for c in sab["per_cycle"] if c.get("status") == "refused"),
+                    "shipped": sab["releases"], "regressions_shipped": len(sab["regressions"])}
+    return {
+        "population": "realistic",
+        "relative_gain": gain,
+        "ci_separated": real.get("ci_separated"),
+        "relative_gain_adversarial": gain_adv,
+        "adversarial_gain_ratio": (gain_adv / gain) if gain and gain_adv is not None else None,
+        "sabotage": sabotage,
+        "ope_mae": sum(abs(e - r) for e, r in pairs) / len(pairs) if pairs else None,
+        "ope_pairs": len(pairs),
+        "gate": s.eval.gate_threshold,
+        "cycles": K,
+        "requests_per_cycle": s.simusers.requests_per_cycle,
+        "users": s.simusers.n_users,
+        "goal": "realistic: accept rate +20% relative over >= 3 releases with separated CIs; adversarial gain within "
+                "25% of it; sabotage: 0 regressions shipped",
+        "goal_met": bool(gain is not None and gain >= 0.2 and real.get("releases", 0) >= 3 and real.get("ci_separated")
+                         and gain_adv is not None and abs(gain_adv - gain) <= 0.25 * abs(gain)
+                         and (sabotage is None or sabotage["regressions_shipped"] == 0)),
+        "cells": results,
+        "base_pass_at_1": base_pass,
+        "warmup": warmup,
+        "bench_dir": str(root),
+        "total_s": round(time.perf_counter() - t_start, 1),
+    }
