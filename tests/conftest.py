@@ -63,11 +63,22 @@ def kafka_bootstrap(kafka_broker: devservices.TansuProcess) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny default model (random weights), built once per session."""
+    from offline_rl.corpus import build_default_model
     from policy.config import TinyModelSettings
-    from policy.tiny import build_tiny_model
 
     out = tmp_path_factory.mktemp("tiny_model")
-    build_tiny_model(out, TinyModelSettings(corpus_examples=2000))
+    build_default_model(out, TinyModelSettings(corpus_examples=2000))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny mixture-of-experts model (`rtrl init-model --moe`, random weights), built once per session."""
+    from offline_rl.corpus import build_default_model
+    from policy.config import TinyModelSettings
+
+    out = tmp_path_factory.mktemp("tiny_moe")
+    build_default_model(out, TinyModelSettings(corpus_examples=2000), moe=True)
     return out
 
 

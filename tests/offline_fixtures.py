@@ -14,5 +14,6 @@ def warm_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     from rtrl.config import load_settings
 
     s = load_settings()
-    s.midtrain.steps, s.midtrain.batch_size, s.midtrain.warmup_steps, s.midtrain.eval_at_end = 120, 32, 5, False
+    s.midtrain.steps, s.midtrain.batch_tokens, s.midtrain.warmup_steps, s.midtrain.eval_at_end = 120, 1440, 5, False
+    s.midtrain.agent_share = 0.0  # function documents only
     return run_midtrain(s, init_dir=tiny_model_dir, out_dir=tmp_path_factory.mktemp("warm_model"), progress=False)

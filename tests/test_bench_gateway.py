@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from serving import bench_gateway
+from benchmarks import gateway as bench_gateway
 
 
 def test_quick_bench_runs_every_phase_without_a_failed_request(tmp_path: Path, tiny_model_dir: Path) -> None:

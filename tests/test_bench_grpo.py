@@ -1,5 +1,6 @@
-"""`rtrl bench grpo --quick --json` runs ours (sync, async with 1 and 2 workers) and TRL's GRPOTrainer
-and ends with one JSON line holding the issue's keys. Speed is the benchmark's business, not asserted."""
+"""`rtrl bench grpo --quick --json` runs ours (sync, async with 1 and 2 workers) and TRL's GRPOTrainer,
+then ours on multi-turn agent episodes, and ends with one JSON line holding the issue's keys. Speed is
+the benchmark's business, not asserted."""
 
 from __future__ import annotations
 
@@ -34,12 +35,16 @@ def test_quick_bench_prints_the_comparison(tmp_path, tiny_model_dir):
     assert out["async_cpu_s_per_step"] > out["async_phases"]["train_cpu_s"] > 0
     assert out["async_cpu_floor_sec_per_step"] == pytest.approx(out["async_cpu_s_per_step"] / out["cpu_count"], abs=1e-3)
     assert out["rounds"] == 1 and len(out["async_over_sync_by_round"]) == 1
+    # Multi-turn agent episodes: every episode runs to the turn limit (the warm-up model never submits).
+    multi = out["multi_turn"]
+    assert multi["turns_per_episode"] >= 8 and multi["ours_sync_sec_per_step"] > 0 < multi["ours_async_sec_per_step"]
+    assert multi["trl"].startswith("not run")
 
 
 def test_rounds_pool_into_one_measurement():
     """Alternating rounds of one mode combine as one run over all their steady steps: a slow round
     weighs by its steps, not as one vote among rounds."""
-    from offline_rl.bench_grpo import _pooled
+    from benchmarks.grpo import _pooled
 
     def round_(steady_steps: int, steady_s: float, staleness: float) -> dict:
         return {"sec_per_step": steady_s / steady_steps, "steady_steps": steady_steps, "steady_s": steady_s,

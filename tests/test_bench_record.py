@@ -29,7 +29,7 @@ def test_python_speed_scales_with_the_work(monkeypatch) -> None:
     assert large > 3 * small
 
 
-def test_bench_command_prints_the_machine_record_in_its_json_line(monkeypatch) -> None:
+def test_bench_command_prints_the_machine_record_in_its_json_line(monkeypatch, tmp_path) -> None:
     import typer
 
     app = typer.Typer()
@@ -40,13 +40,25 @@ def test_bench_command_prints_the_machine_record_in_its_json_line(monkeypatch) -
         """A second command: with one, typer would collapse the app into `bench` itself."""
 
     monkeypatch.setitem(bench.BENCHMARKS, "probe", "tests.test_bench_record:_probe_run")
+    monkeypatch.setattr(bench, "RESULTS_DIR", tmp_path)
     result = CliRunner().invoke(app, ["bench", "probe", "--json"])
     assert result.exit_code == 0, result.output
     line = json.loads(result.output.strip().splitlines()[-1])
     assert line["bench"] == "probe" and line["value"] == 42
     assert line["python_loop_ms"] > 0 and "cpu_model" in line and "wall_s" in line
+    # A full run is kept in the results file; a --quick one (a smoke test) is not.
+    assert [json.loads(x) for x in (tmp_path / "probe.jsonl").read_text().splitlines()] == [line]
+    assert CliRunner().invoke(app, ["bench", "probe", "--json", "--quick"]).exit_code == 0
+    assert len((tmp_path / "probe.jsonl").read_text().splitlines()) == 1
 
 
 def _probe_run(settings, quick: bool, log) -> dict:
     log("probe running")
     return {"value": 42}
+
+
+def test_results_page_is_generated_from_the_recorded_runs() -> None:
+    """docs/results.md is what `python -m benchmarks.results_md` makes of benchmarks/results/*.jsonl."""
+    from benchmarks import results_md
+
+    assert results_md.main(["--check"]) == 0, "docs/results.md is stale: run python -m benchmarks.results_md"

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WEB_STACK = ("fastapi", "uvicorn", "starlette", "serving")
 SERVING_MAY_IMPORT = ("realtime_rl.events", "realtime_rl.bus", "realtime_rl.config")
 # Clients/orchestrators of the gateway, not trainers: they start it or call it over HTTP.
-TRAINER_SIDE_EXEMPT = {"realtime_rl/simusers.py", "realtime_rl/bench_online.py"}
+TRAINER_SIDE_EXEMPT = {"realtime_rl/simusers.py"}
 
 
 def imports_of(path: Path) -> set[str]:

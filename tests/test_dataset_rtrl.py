@@ -50,9 +50,9 @@ def test_reward_mapping_accept_reject_and_graded_edit():
         reward_for(ex(0, signal="maybe"), cfg)
 
 
-def test_on_policy_filter_keeps_only_production_by_default():
+def test_on_policy_filter_keeps_only_production_when_asked():
     rows = [ex(i, version="v2" if i % 2 else "v1", caller=f"u{i}") for i in range(20)]
-    cfg = UpdateSettings(heldout_fraction=0.0, caller_cap_share=1.0)
+    cfg = UpdateSettings(heldout_fraction=0.0, caller_cap_share=1.0, on_policy_only=True)
     ds = build_dataset(rows, cfg, production="v2", admitted_versions=["v1"], now=T0)
     assert {e.example.version for e in ds.train} == {"v2"}
     assert ds.stats.wrong_version == 10 and ds.stats.train == 10

@@ -99,12 +99,12 @@ def test_engine_process_and_in_thread_modes_generate_the_same(engine, tmp_path, 
 
 def test_engine_process_errors_and_swaps(tmp_path, tiny_model_dir):
     """A generate error in the child reaches the caller with its type; swaps free the replaced model in
-    the child; a dead child fails requests with EngineClosed and makes the engine not ready."""
+    the child."""
     from concurrent.futures import Future
 
     from policy.sampling import ContextTooLong
     from serving.engines import create_engine
-    from serving.engines.base import EngineClosed, _Job
+    from serving.engines.base import _Job
     from serving.engines.torch_engine import TorchHandle
     from serving.versions import VersionRef
 
@@ -128,11 +128,7 @@ def test_engine_process_errors_and_swaps(tmp_path, tiny_model_dir):
                                                                     "production", stale)]))
         with pytest.raises(KeyError):
             stale.result(30)
-        eng._proc.kill()
-        eng._proc.join(10)
-        assert not eng.ready
-        with pytest.raises(EngineClosed):
-            eng.generate_now([ids], [SamplingParams(max_new_tokens=2)], timeout=60)
+        # A dead child: tests/test_engine_restart.py.
     finally:
         eng.close()
 

@@ -42,7 +42,7 @@ def test_evaluate_on_a_model(tiny_model_dir):
 def test_eval_cli_json_last_line(tiny_model_dir, tmp_path):
     env = {**os.environ, "RTRL_VAR_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "rtrl", "eval", "--model", str(tiny_model_dir), "--samples", "2",
-                          "-k", "1", "-k", "2", "--limit", "4", "--json"], capture_output=True, text=True,
+                          "-k", "1", "-k", "2", "--limit", "4", "--preset", "functions", "-t", "1.0", "--json"], capture_output=True, text=True,
                          env=env, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     last = json.loads(out.stdout.strip().splitlines()[-1])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from offline_rl.grpo import GRPOTrainer, run_grpo
+from offline_rl.presets import apply_preset
 from offline_rl.rollout import Trajectory
 from offline_rl.tasks import Task
 from offline_rl.tasks import TestCase as Case
@@ -20,7 +21,7 @@ TASK = Task(task_id="t", prompt="# f(0)=1\ndef f(x): return ", tests=[Case([1], 
 
 
 def make_settings(tmp_path, **grpo):
-    s = load_settings()
+    s = apply_preset(load_settings(), "functions")
     s.grpo.out_dir = str(tmp_path / "run")
     s.grpo.group_size = 2
     s.grpo.prompts_per_step = 2
@@ -149,13 +150,16 @@ def test_frozen_recompute_with_several_epochs_gives_the_same_weights(tiny_model_
     assert out[1]["ratio_mean"] != pytest.approx(1.0, abs=1e-7)  # the second pass moved away from π_old
 
 
-def test_multi_turn_grpo_trains_on_policy_tokens_only(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["functions", "repo"])
+def test_multi_turn_grpo_trains_on_policy_tokens_only(tiny_model_dir, tmp_path, kind):
     s = make_settings(tmp_path, mode="sync", steps=2, eval_every=0, max_new_tokens=8, lr=1e-3)
-    s.env.mode, s.env.max_turns = "multi", 2
+    s.env.kind, s.env.mode, s.env.max_turns = kind, "multi", 2
     s.rewards.require_pass = False
     res = run_grpo(s, tiny_model_dir, progress=False, evaluate_before=False, evaluate_after=False)
     recs = [json.loads(line) for line in res.metrics_path.read_text().splitlines()]
     assert len(recs) == 2 and all(1.0 <= r["mean_turns"] <= 2.0 for r in recs)
+    if kind == "repo":  # what the agent did is logged with every step
+        assert all({"behaviour_turns", "behaviour_malformed", "truncated"} <= r.keys() for r in recs)
     assert (res.final_dir / "config.json").is_file()
 
 

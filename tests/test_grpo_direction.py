@@ -12,6 +12,7 @@ import dataclasses
 import json
 
 from offline_rl.grpo import run_grpo
+from offline_rl.presets import apply_preset
 from offline_rl.tasks import generate_tasks, write_tasks_jsonl
 from rtrl.config import load_settings
 from tests.offline_fixtures import warm_model_dir  # noqa: F401
@@ -23,7 +24,7 @@ def test_grpo_raises_the_hidden_test_pass_rate(warm_model_dir, tmp_path):  # noq
     tasks += [dataclasses.replace(t, task_id="eval-" + t.task_id, metadata={**t.metadata, "split": "heldout"})
               for t in pick]
     write_tasks_jsonl(tasks, tmp_path / "tasks.jsonl")
-    s = load_settings()
+    s = apply_preset(load_settings(), "functions")
     s.tasks.jsonl = str(tmp_path / "tasks.jsonl")
     g = s.grpo
     g.out_dir, g.mode, g.steps, g.prompts_per_step, g.group_size = str(tmp_path / "run"), "sync", 24, 4, 8

@@ -1,5 +1,6 @@
-"""`rtrl grpo` killed with SIGKILL mid-run resumes from its last checkpoint: no step lost past the
-checkpoint, none logged twice, optimizer and counters restored."""
+"""`rtrl grpo` killed with SIGKILL mid-run (mid-episode: most of a step is multi-turn agent episodes)
+resumes from its last checkpoint: no step lost past the checkpoint, none logged twice, optimizer and
+counters restored."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ def test_resume_after_kill(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "RTRL_GRPO__OUT_DIR": str(run), "RTRL_GRPO__STEPS": "10", "RTRL_GRPO__MODE": "sync",
            "RTRL_GRPO__CHECKPOINT_EVERY": "2", "RTRL_GRPO__EVAL_EVERY": "0", "RTRL_GRPO__PROMPTS_PER_STEP": "4",
-           "RTRL_GRPO__GROUP_SIZE": "4", "RTRL_GRPO__MAX_NEW_TOKENS": "8", "RTRL_REWARDS__REQUIRE_PASS": "false",
-           "RTRL_EVAL__SAMPLES": "1", "RTRL_EVAL__K": "[1]", "RTRL_GRPO__LR": "1e-3"}
+           "RTRL_GRPO__GROUP_SIZE": "4", "RTRL_GRPO__MAX_NEW_TOKENS": "8", "RTRL_ENV__MAX_TURNS": "3",
+           "RTRL_TASKS__REPO_HELDOUT_PER_FAMILY": "1", "RTRL_EVAL__SAMPLES": "1", "RTRL_EVAL__K": "[1]",
+           "RTRL_GRPO__LR": "1e-3"}
     cmd = [sys.executable, "-m", "rtrl", "grpo", "--init", str(tiny_model_dir), "--no-progress", "--no-publish"]
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)

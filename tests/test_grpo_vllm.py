@@ -9,13 +9,14 @@ import json
 import pytest
 
 from offline_rl.grpo import run_grpo
+from offline_rl.presets import apply_preset
 from rtrl.config import load_settings
 from tests.offline_fixtures import warm_model_dir  # noqa: F401
 
 
 @pytest.mark.vllm
 def test_grpo_rollouts_through_vllm(warm_model_dir, tmp_path):  # noqa: F811
-    s = load_settings()
+    s = apply_preset(load_settings(), "functions")
     g = s.grpo
     g.out_dir, g.mode, g.rollout_engine, g.steps = str(tmp_path / "run"), "async", "vllm", 3
     g.prompts_per_step, g.group_size, g.max_new_tokens, g.eval_every, g.lr = 4, 4, 16, 0, 1e-3

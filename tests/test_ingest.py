@@ -119,7 +119,7 @@ def test_redelivered_events_count_once_and_conflicting_ids_are_dead_lettered(tmp
 def test_poison_events_are_dead_lettered_and_ingestion_continues(tmp_path: Path, db_url: str) -> None:
     s = make_settings(tmp_path, db_url, ingest={"max_event_bytes": 4096})
     huge = completion("big", prompt="p" * 5000)
-    nul = completion("nul", text="a\x00b")
+    nul = completion("nul", caller="key\x00a")  # a NUL in an id (text gets U+FFFD: test_ingest_decode.py)
     poison = [
         (b"k1", b"\xff\xfe not json"),
         (b"k2", b'{"type": "feedback", "completion_id": "c9"}'),

@@ -20,8 +20,17 @@ def _with_text(text_json: str) -> bytes:
     return json.dumps(data).replace('"@@"', text_json).encode()
 
 
-def test_nul_and_lone_surrogates_are_refused() -> None:
-    assert _decode(_with_text(r'"a\u0000b"')).reason == SCHEMA_INVALID
+def test_nul_in_text_is_stored_as_a_replacement_character_and_refused_in_ids() -> None:
+    """A model can write a NUL; PostgreSQL text cannot hold one. The completion (its token ids are the
+    training data) is kept with U+FFFD in its text; an id with a NUL is refused."""
+    ok = _decode(_with_text(r'"a\u0000b"'))
+    assert ok.reason is None and ok.event.completion == "a\ufffdb"
+    data = json.loads(completion("c1").to_bytes())
+    data["caller"] = "k\x00"
+    assert _decode(json.dumps(data).encode()).reason == SCHEMA_INVALID
+
+
+def test_lone_surrogates_are_refused() -> None:
     for literal in (r'"\ud800"', r'"x\uDC00"'):  # the JSON parser itself refuses these
         assert _decode(_with_text(literal)).reason in (UNDECODABLE, SCHEMA_INVALID), literal
 

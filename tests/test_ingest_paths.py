@@ -9,9 +9,11 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sqlalchemy as sa
 
+from policy.routes import Routes
 from realtime_rl.event_samples import sample_stream
 from realtime_rl.ingest import Ingester
 from tests.ingest_fixtures import make_settings, rows, send
@@ -33,7 +35,8 @@ def _lax_events() -> list[tuple[bytes, bytes]]:
         {**base, "event_id": "e-coerced", "completion_id": "lax-coerced", "ts": "2026-11-30T12:00:02.123456",
          "latency_ms": "12.5", "choice_index": "1", "sampling": {"temperature": 0.5}},
         {**base, "event_id": "e-offset", "completion_id": "lax-offset", "ts": "2026-11-30T14:00:03+02:00",
-         "sampling_logprobs": [-2, -1.5], "expert_ids": [[1, 2], [3, 4]], "task_bucket": "abs"},
+         "sampling_logprobs": [-2, -1.5], "routes": Routes(np.array([[[1, 2]], [[3, 0]], [[2, 1]]]), 4).to_wire(),
+         "task_bucket": "abs"},
         {**fb, "event_id": "f-int-score", "completion_id": "lax-extra", "signal": "accept", "score": 1,
          "ts": "2026-11-30T12:00:09Z"},
         {**fb, "event_id": "f-naive", "completion_id": "lax-coerced", "signal": "edit", "kept_text": "x * 3",

@@ -11,11 +11,13 @@ import marshal
 from datetime import UTC, datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
 
+import numpy as np
 import pytest
 import sqlalchemy as sa
 from pydantic_core import TzInfo, to_json
 from sqlalchemy.dialects import postgresql, sqlite
 
+from policy.routes import Routes
 from realtime_rl.bus.base import Record
 from realtime_rl.event_samples import sample_stream
 from realtime_rl.events import SamplingRecord, decode_event
@@ -34,21 +36,24 @@ from realtime_rl.ingest_plan import (
 from realtime_rl.ingest_proc import ship
 
 TABLES = ("completions", "feedback")
+LAX_ROUTES = Routes(np.array([[[1, 0]], [[2, 3]], [[3, 1]]]), 4)
 
 
 def _lax() -> list[bytes]:
     """Valid events that pydantic coerces: offsets, naive and second-less timestamps, numbers as text,
-    ints for floats, missing defaults (an event id too), unknown fields, mixture-of-experts ids."""
+    ints for floats, missing defaults (an event id too), unknown fields, a mixture-of-experts route record.
+    Token ids are JSON integers only, in [0, 2**31) (tests/test_token_validation.py has the ones refused)."""
+    routes = LAX_ROUTES.to_wire()
     base = {"type": "completion", "caller": "k", "model": "m", "version": "v9", "prompt": "p ü 🙂 \\ \"q\"\n",
-            "completion": "x", "prompt_token_ids": [1, "2"], "completion_token_ids": [3, 4.0], "logprobs": [-1, -0.5]}
+            "completion": "x", "prompt_token_ids": [1, 2], "completion_token_ids": [3, 4], "logprobs": [-1, -0.5]}
     events = [
-        {**base, "event_id": "e1", "completion_id": "lax-offset", "ts": "2026-11-30T14:00:03.5+02:00", "expert_ids": [[1], [2]],
+        {**base, "event_id": "e1", "completion_id": "lax-offset", "ts": "2026-11-30T14:00:03.5+02:00", "routes": routes,
          "sampling_logprobs": ["-2", -1e-7], "sampling": {"temperature": -0.0, "stop": ["\n", "é"], "seed": 3}},
         {**base, "event_id": "e2", "completion_id": "lax-naive", "ts": "2026-11-30T12:00:02", "latency_ms": "12.5",
          "choice_index": "1", "future_field": {"nested": [1]}, "sampling": {"temperature": 0}},
         {**base, "completion_id": "lax-unix", "ts": 1_800_000_000, "sampling": {"temperature": 0.0}},
         {**base, "completion_id": "lax-empty", "ts": "2026-11-30T12:00:04Z", "prompt_token_ids": [],
-         "completion_token_ids": [-5, 2**70], "logprobs": [-0.1, -0.2]},
+         "completion_token_ids": [0, 2**31 - 1], "logprobs": [-0.1, -0.2]},
         {"type": "feedback", "event_id": "f1", "completion_id": "lax-offset", "caller": "k", "version": "v9", "signal": "accept",
          "score": 1, "ts": "2026-11-30T13:00:11-01:00"},
         {"type": "feedback", "event_id": "f2", "completion_id": "lax-naive", "caller": "k", "version": "v9", "signal": "edit",
@@ -112,7 +117,8 @@ def test_lax_values_are_encoded_as_the_column_types_write_them(monkeypatch) -> N
         plan = _plan(decoded, dialect)
         by_id[dialect] = {r[0]: r for r in staged_rows(plan, "completions")}
     lite, pg = by_id["sqlite"], by_id["postgresql"]
-    assert lite["lax-offset"][7:13] == ("[1,2]", "[3,4]", "[-1.0,-0.5]", "[-2.0,-1e-7]", "[[1],[2]]",
+    routes = json.dumps(LAX_ROUTES.to_wire(), separators=(",", ":"))
+    assert lite["lax-offset"][7:13] == ("[1,2]", "[3,4]", "[-1.0,-0.5]", "[-2.0,-1e-7]", routes,
                                         '{"temperature":-0.0,"top_p":1.0,"top_k":0,"max_tokens":16,'
                                         '"stop":["\\n","é"],"seed":3}')
     assert lite["lax-offset"][-1] == "2026-11-30 12:00:03.500000"
@@ -122,7 +128,7 @@ def test_lax_values_are_encoded_as_the_column_types_write_them(monkeypatch) -> N
     assert lite["lax-naive"][13:] == ("stop", 12.5, None, 1, "2026-11-30 12:00:02.000000")
     assert pg["lax-naive"][-1] == datetime(2026, 11, 30, 12, 0, 2, tzinfo=UTC)
     assert lite["lax-unix"][-1] == "2027-01-15 08:00:00.000000"
-    assert lite["lax-empty"][7:9] == ("[]", f"[-5,{2**70}]")
+    assert lite["lax-empty"][7:9] == ("[]", f"[0,{2**31 - 1}]")
     for row in pg.values():
         assert row[:-1] == lite[row[0]][:-1]
 

@@ -7,10 +7,10 @@ import pytest
 
 from offline_rl.config import EnvSettings, RewardSettings, SandboxSettings
 from offline_rl.env import OBS_PREFIX, TOOLS_LINE, TURN_PREFIX, CodingEnv
-from offline_rl.grpo import load_task_split
 from offline_rl.rewards import RewardFunction
 from offline_rl.rollout import TorchBackend, run_episodes
 from offline_rl.sandbox import Sandbox
+from offline_rl.splits import load_task_split
 from offline_rl.tasks import Task, generate_tasks
 from offline_rl.tasks import TestCase as Case
 from rtrl.config import load_settings
@@ -71,7 +71,7 @@ def test_generated_split_never_overlaps():
     split = generate_tasks(0)
     train = {t.reference for t in split.train}
     assert not train & {t.reference for t in split.heldout}
-    assert load_task_split(load_settings()).heldout[0].task_id == split.heldout[0].task_id
+    assert load_task_split(load_settings().tasks).heldout[0].task_id == split.heldout[0].task_id
 
 
 def test_multi_turn_rollout_masks_observations(tiny_model_dir, sandbox):

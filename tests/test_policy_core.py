@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from offline_rl.corpus import build_default_model
 from policy.config import TinyModelSettings
 from policy.loading import ModelLoadError, load_policy
 from policy.logprobs import sequence_logprobs
 from policy.sampling import ContextTooLong, SamplingParams, generate, generate_ids
-from policy.tiny import build_tiny_model
 
 PROMPTS = [
     "# f(0)=7 f(1)=15 f(2)=23 f(8)=71\ndef f(x): return ",
@@ -39,9 +39,9 @@ def _digest(path: Path) -> str:
 
 def test_tiny_model_is_deterministic_and_small(tmp_path):
     cfg = TinyModelSettings(corpus_examples=1000, seed=3)
-    a, b = build_tiny_model(tmp_path / "a", cfg), build_tiny_model(tmp_path / "b", cfg)
+    a, b = build_default_model(tmp_path / "a", cfg), build_default_model(tmp_path / "b", cfg)
     assert _digest(a) == _digest(b)
-    c = build_tiny_model(tmp_path / "c", cfg.model_copy(update={"seed": 4}))
+    c = build_default_model(tmp_path / "c", cfg.model_copy(update={"seed": 4}))
     assert _digest(a) != _digest(c)
     n = sum(p.numel() for p in load_policy(a).model.parameters())
     assert 1_000_000 <= n <= 10_000_000

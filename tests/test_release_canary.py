@@ -13,12 +13,13 @@ from tests.rtrl_update_fixtures import insert_logged, make_world, sqlite_url  # 
 
 def test_canary_then_promotion_by_realised_accept_rate(tmp_path, sqlite_url, tiny_model_dir, monkeypatch):  # noqa: F811
     w = make_world(tmp_path, sqlite_url, tiny_model_dir, RELEASE__CANARY_SHARE=0.2,
-                   RELEASE__CANARY_MIN_FEEDBACK=50)
+                   RELEASE__CANARY_MIN_FEEDBACK=50, RELEASE__CANARY_MAX_FEEDBACK=100)
     store = RegistryStore(w.settings)
     for k, v in w.env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("RTRL_RELEASE__CANARY_SHARE", "0.2")
     monkeypatch.setenv("RTRL_RELEASE__CANARY_MIN_FEEDBACK", "50")
+    monkeypatch.setenv("RTRL_RELEASE__CANARY_MAX_FEEDBACK", "100")
     from rtrl.cli import app
 
     res = CliRunner().invoke(app, ["update", "--once", "--json"])
@@ -36,8 +37,10 @@ def test_canary_then_promotion_by_realised_accept_rate(tmp_path, sqlite_url, tin
     insert_logged(w.settings, cand, store.materialize(cand), n=120, seed=5, start=now)
     insert_logged(w.settings, w.production, tiny_model_dir, n=120, seed=6, start=now)
     done = json.loads(CliRunner().invoke(app, ["update", "--json"]).output.strip().splitlines()[-1])
+    # 120 canary judgements, over canary_max_feedback: the sequential test decides (a verdict, or the sign).
     assert done["status"] == "released", done["reason"]
     assert done["metrics"]["canary_accept_rate"] >= done["metrics"]["production_accept_rate"]
+    assert done["metrics"]["sequential_test"]["decision"] == "promote"
     assert store.production() == cand and store.candidate() == cand
     shown = CliRunner().invoke(app, ["releases"]).output
     assert "canary:" in shown and shown.count(cand) == 2  # the canary decision, then its promotion

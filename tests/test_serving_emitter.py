@@ -29,7 +29,7 @@ def test_bus_down_then_back_loses_nothing(tmp_path):
         em.emit(_event(i))
     assert time.perf_counter() - t0 < 1.0  # emitting never waits for the bus
     deadline = time.monotonic() + 10
-    while em.pending and em._queue.qsize() and time.monotonic() < deadline:
+    while em.pending and em._buffer and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.3)
     assert not em.bus_up and em.spill_path.exists() and em.pending == 50
@@ -43,12 +43,12 @@ def test_bus_down_then_back_loses_nothing(tmp_path):
 
 def test_full_queue_spills_and_spill_is_replayed_at_start(tmp_path):
     bus = BusSettings(embedded_path=str(tmp_path / "bus" / "events.db"))
-    # Not started: nothing drains the queue of 5, so the rest goes straight to the spill file.
+    # Not started: nothing drains the buffer of 5, so the rest goes to the overflow file.
     em = EventEmitter(bus.events_topic, tmp_path / "spill", default_producer_factory(bus), queue_size=5)
     for i in range(12):
         em.emit(_event(i))
-    assert em._spilled == 7
-    em.stop()  # never started: the 5 queued are spilled too
+    assert em._overflowed == 7
+    em.stop()  # never started: the 5 buffered are spilled (the overflow file keeps the newer 7)
     # A crash mid-write leaves a cut line; the next process replays the good ones and skips it.
     with em.spill_path.open("ab") as fh:
         fh.write(_event(99).to_bytes()[:40])
@@ -88,7 +88,7 @@ def test_pending_counts_events_the_sender_holds(tmp_path):
     em.start()
     em.emit(_event(1))
     assert sending.wait(10)
-    assert em._queue.qsize() == 0 and em.pending == 1 and not em.wait_idle(0.2)
+    assert not em._buffer and em.pending == 1 and not em.wait_idle(0.2)
     release.set()
     assert em.wait_idle(10) and em.pending == 0 and len(sent) == 1
     em.stop()

@@ -51,3 +51,66 @@ def test_judgements_follow_hidden_preferences():
     pop = make_population(50, seed=3, lo=0.8, hi=1.0)
     assert len({u.name for u in pop}) == 50 and all(0.8 <= u.strictness <= 1.0 for u in pop)
     assert [u.strictness for u in pop] == [u.strictness for u in make_population(50, 3, 0.8, 1.0)]
+
+
+def _realistic(**kw):
+    from realtime_rl.config import SimUsersSettings
+
+    return SimUsersSettings(**{"n_users": 40, "seed": 7, **kw})
+
+
+def test_realistic_population_kinds_noise_and_adversaries():
+    from realtime_rl.simusers import build_population, kind_counts
+
+    assert kind_counts(10, {"a": 0.4, "b": 0.2, "c": 0.4}) == {"a": 4, "b": 2, "c": 4}
+    assert sum(kind_counts(7, {"a": 1, "b": 1, "c": 1}).values()) == 7
+    pop = build_population(_realistic(adversarial_share=0.1))
+    kinds = [u.kind for u in pop]
+    assert kinds.count("reject_all") == 2 and kinds.count("accept_all") == 2
+    assert {"style", "brevity", "correctness"} <= set(kinds)
+    honest = [u for u in pop if u.kind not in ("reject_all", "accept_all")]
+    assert all(0 <= u.noise <= 0.1 and 0.3 <= u.feedback_rate <= 0.9 for u in honest)
+    assert max(u.activity for u in honest) > 2 * min(u.activity for u in honest)  # some users are loud
+    assert [(u.kind, u.noise) for u in pop] == [(u.kind, u.noise) for u in build_population(_realistic(
+        adversarial_share=0.1))]  # deterministic by seed
+    simple = build_population(_realistic(population="simple"))
+    assert {u.kind for u in simple} == {"style"} and all(u.feedback_rate == 1 and u.noise == 0 for u in simple)
+
+
+def test_each_kind_judges_by_its_own_preference_and_edits_into_it():
+    t = _task("x*8+7")
+    rng = random.Random(0)
+    style = SimUser("s", 1.0, kind="style", edit_probability=1.0, edits_fix=True)
+    brief = SimUser("b", 0.0, kind="brevity", edit_probability=1.0, edits_fix=True)
+    plain = SimUser("c", 0.0, kind="correctness", edit_probability=0.0)
+    assert style.judge(t, "x*8+7", rng) == ("edit", "x * 8 + 7")
+    assert style.judge(t, "x*8+6", rng) == ("edit", "x * 8 + 7")  # a wrong answer is fixed, in the user's style
+    assert brief.judge(t, "x * 8 + 7", rng) == ("accept", None)  # spacing is free
+    assert brief.judge(t, "x*8+7+0*x", rng) == ("edit", "x*8+7")  # redundant: rewritten short
+    assert plain.judge(t, "7+x*8", rng) == ("accept", None) and plain.judge(t, "x", rng) == ("reject", None)
+    for kind, verdict in (("reject_all", "reject"), ("accept_all", "accept")):
+        hostile = SimUser("h", 0.0, kind=kind, edit_probability=1.0)
+        assert {hostile.judge(t, text, rng)[0] for text in ("x*8+7", "x * 8 + 7", "x")} == {verdict}
+    noisy = SimUser("n", 0.0, kind="correctness", noise=0.2)
+    flips = sum(noisy.judge(t, "x*8+7", rng)[0] == "reject" for _ in range(2000))
+    assert 300 < flips < 500
+
+
+def test_traffic_mix_shifts_over_the_day_and_late_feedback_waits():
+    from realtime_rl.simusers import FeedbackBacklog, plan_traffic, task_weights
+
+    tasks = generate_tasks(0).train
+    users = [SimUser(f"u{i}", 0.5, activity=1.0 + 9.0 * (i == 0)) for i in range(5)]
+    morning = plan_traffic(users, tasks, 300, 1, start=0, day_length=4000, shift=1.0)
+    evening = plan_traffic(users, tasks, 300, 1, start=2000, day_length=4000, shift=1.0)
+
+    def share(plan, bucket):
+        return sum(t.bucket == bucket for _, t, _ in plan) / len(plan)
+
+    moved = [abs(share(morning, b) - share(evening, b)) for b in {t.bucket for t in tasks}]
+    assert max(moved) > 0.15
+    assert sum(u.name == "u0" for u, _, _ in morning) > 120  # activity 10 vs 1: most requests
+    w = task_weights(tasks, 0, 100, 0.5)
+    assert min(w) >= 0.5 and max(w) <= 1.5
+    backlog = FeedbackBacklog(items=[(1, "k", {"id": 1}), (3, "k", {"id": 2})])
+    assert backlog.due(0) == [] and backlog.due(2) == [("k", {"id": 1})] and len(backlog.items) == 1

@@ -41,7 +41,7 @@ def test_good_update_is_released_then_reruns_are_idempotent(tmp_path, sqlite_url
     assert r.production_version == w.production and r.candidate_version != w.production
     assert store.production() == r.candidate_version
     gate = r.gate
-    assert gate["checks"] == {"offline_gate": True, "offline_regression": True, "ope": True}
+    assert gate["checks"] == {"offline_gate": True, "offline_regression": True, "ope": True, "ope_support": True}
     assert gate["ope"]["estimate"] >= gate["production_accept_rate"]
     assert gate["ope"]["ci"][0] <= gate["ope"]["estimate"] <= gate["ope"]["ci"][1]
     assert r.metrics["train"]["steps"] > 0 and abs(r.metrics["train"]["mismatch_abs_logp"]) < 1e-3

@@ -9,15 +9,16 @@ import time
 
 import pytest
 
-from offline_rl.grpo import load_task_split
+from offline_rl.presets import apply_preset
+from offline_rl.splits import load_task_split
 from offline_rl.workers import AsyncRollouts, WorkerConfig
 from policy.loading import load_policy
 from rtrl.config import load_settings
 
 
 def start(model_dir, workers: int, queue_size: int) -> AsyncRollouts:
-    s = load_settings()
-    split = load_task_split(s)
+    s = apply_preset(load_settings(), "functions")
+    split = load_task_split(s.tasks)
     cfgs = [WorkerConfig(worker_id=i, model_dir=str(model_dir), engine="torch", env_settings=s.env.model_dump(),
                          sandbox_settings={**s.sandbox.model_dump(), "pool_size": 1},
                          reward_settings={**s.rewards.model_dump(), "require_pass": False},

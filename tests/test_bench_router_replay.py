@@ -1,0 +1,27 @@
+"""`rtrl bench router-replay`'s measurement on the tiny MoE model (random weights; the bench itself
+mid-trains first): a cell's numbers and the goals computed from them."""
+
+from __future__ import annotations
+
+from benchmarks.router_replay import _sample_torch, goals, measure_cell
+from policy.loading import load_tokenizer
+
+
+def test_a_cell_measures_both_router_modes_and_the_goals_read_them(tiny_moe_dir):
+    tok = load_tokenizer(tiny_moe_dir)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("def f(x): return ", "# f(1)=3\ndef f(x): return ")]
+    samples = _sample_torch(tiny_moe_dir, "float32", "cpu", prompts, samples=2, max_new=6, seed=1)
+    same = {"engine": "torch", "staleness": 0, "sampler_dtype": "float32", "trainer_dtype": "float32",
+            **measure_cell(samples, tiny_moe_dir, "float32", "cpu", repeats=1)}
+    assert same["route_disagreement_off"] == 0.0 and same["max_abs_dlogp_replay"] <= 1e-5
+    assert same["k3_kl_off"] < 1e-9 and same["tokens"] == sum(len(s.token_ids) for s in samples)
+    assert 0 < same["bytes_per_token_routes"] <= 2.0
+    # bf16 sampling against the fp32 trainer: the engines now differ (routes may or may not flip on
+    # random weights), and the goals are computed from whatever cells there are.
+    bf16 = {"engine": "torch", "staleness": 0, "sampler_dtype": "bfloat16", "trainer_dtype": "float32",
+            **measure_cell(_sample_torch(tiny_moe_dir, "bfloat16", "cpu", prompts, 2, 6, 1), tiny_moe_dir, "float32",
+                           "cpu", repeats=1)}
+    assert bf16["k3_kl_off"] > same["k3_kl_off"]
+    g = goals([same, bf16])
+    assert g["exact_replay_met"] and g["route_bytes_met"]
+    assert g["max_abs_dlogp_replay_staleness0_fp32"] == same["max_abs_dlogp_replay"]
