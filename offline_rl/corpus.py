@@ -11,7 +11,7 @@ learns to continue a context that ends where an environment's turn ends.
   (:mod:`offline_rl.demos`) on training tasks.
 
 ``midtrain.agent_share`` sets the mixture. Batches are built to a token budget from a pool of
-documents sorted by length, so a step costs about the same whatever it holds and little is padding.
+documents grouped by length, so a step costs about the same whatever it holds and little is padding.
 """
 
 from __future__ import annotations
@@ -28,7 +28,13 @@ from policy.tiny import build_tiny_model
 
 ANSWER_MARK = "return "
 POOL_BATCHES = 8
-"""Documents for this many batches are drawn at once and sorted by length before batching."""
+"""Documents for this many batches are drawn at once and grouped by length before batching."""
+LENGTH_BUCKET = 128
+"""Documents are grouped by ``len // LENGTH_BUCKET``, not by exact length: within a bucket they keep the
+order they were drawn in. Sorting by exact length put documents of one answer shape side by side
+(same length, same kind of function), and the correlated batches left a mid-trained model far below
+one trained on shuffled batches (functions preset, 400 steps: held-out success 0.03-0.07 against
+0.51)."""
 
 
 def function_segments(doc: str) -> list[Segment]:
@@ -60,8 +66,9 @@ def documents(n: int, seed: int, heldout_fraction: float, agent_share: float,
 def token_batches(tokenizer, docs: Iterable[list[Segment]], batch_tokens: int) -> Iterator[list[list[int]]]:
     """Batches of token-id lists whose padded size (rows x longest row) stays within ``batch_tokens``.
 
-    Documents are drawn a pool at a time and sorted by length, so rows of a batch have similar lengths;
-    the batches of a pool are then shuffled so long and short ones alternate."""
+    Documents are drawn a pool at a time and grouped into length buckets (:data:`LENGTH_BUCKET`), so
+    rows of a batch have similar lengths while documents within a bucket stay in random order; the
+    batches of a pool are then shuffled so long and short ones alternate."""
     it = iter(docs)
     rng = random.Random(0)
     while True:
@@ -75,13 +82,14 @@ def token_batches(tokenizer, docs: Iterable[list[Segment]], batch_tokens: int) -
                 break
         if not pool:
             return
-        pool.sort(key=len)
-        batches, cur = [], []
+        pool.sort(key=lambda ids: len(ids) // LENGTH_BUCKET)  # stable: draw order within a bucket
+        batches, cur, width = [], [], 0
         for ids in pool:
-            if cur and (len(cur) + 1) * max(len(ids), len(cur[-1])) > batch_tokens:
+            if cur and (len(cur) + 1) * max(len(ids), width) > batch_tokens:
                 batches.append(cur)
-                cur = []
+                cur, width = [], 0
             cur.append(ids)
+            width = max(width, len(ids))
         if cur:
             batches.append(cur)
         rng.shuffle(batches)

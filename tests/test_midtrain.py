@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from offline_rl.midtrain import doc_ids, lr_factor
+from offline_rl.corpus import LENGTH_BUCKET, function_segments, segment_ids, token_batches
+from offline_rl.midtrain import lr_factor
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -29,15 +30,34 @@ def test_prompt_and_answer_are_tokenized_as_at_inference(tiny_model_dir):
 
     tok = load_tokenizer(tiny_model_dir)
     prompt = "# f(0)=7 f(1)=15\ndef f(x): return "
-    ids = doc_ids(tok, prompt + "x*8+7\n")
+    ids = segment_ids(tok, function_segments(prompt + "x*8+7\n"))
     head = tok(prompt, add_special_tokens=False)["input_ids"]
     assert ids[:len(head)] == head  # the prompt ends in the same (bare space) token the sampler sees
     assert tok.decode(ids) == prompt + "x*8+7\n"
 
 
+class _CharTokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_token_batches_keep_the_budget_and_shuffled_order_within_a_length_bucket():
+    """Every document once, no batch over budget, and short documents of different lengths keep the
+    order they were drawn in (sorting them by exact length made batches of one answer shape each,
+    which mid-training learned far less from)."""
+    lengths = [5 + (i * 7) % 30 for i in range(300)] + [LENGTH_BUCKET + 40 + i for i in range(20)]
+    docs = [[(chr(65 + i % 26) * n, False)] for i, n in enumerate(lengths)]
+    batches = list(token_batches(_CharTokenizer(), docs, batch_tokens=400))
+    rows = [r for b in batches for r in b]
+    assert sorted(map(len, rows)) == sorted(lengths)
+    assert all(len(b) * max(map(len, b)) <= 400 or len(b) == 1 for b in batches)
+    short = [b for b in batches if max(map(len, b)) < LENGTH_BUCKET]
+    assert any(list(map(len, b)) != sorted(map(len, b)) for b in short)
+
+
 def test_midtrain_cli_saves_a_loadable_model(tiny_model_dir, tmp_path):
     out = tmp_path / "mid"
-    env = {**os.environ, "RTRL_MIDTRAIN__EVAL_AT_END": "false", "RTRL_MIDTRAIN__BATCH_SIZE": "16",
+    env = {**os.environ, "RTRL_MIDTRAIN__EVAL_AT_END": "false", "RTRL_MIDTRAIN__BATCH_TOKENS": "720",
            "RTRL_MIDTRAIN__WARMUP_STEPS": "2"}
     proc = subprocess.run([sys.executable, "-m", "rtrl", "midtrain", "--init", str(tiny_model_dir), "--out", str(out),
                            "--steps", "15"], capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
@@ -64,7 +84,7 @@ def test_training_loop_uses_its_own_threads_and_gives_the_callers_back(tiny_mode
     cores = len(os.sched_getaffinity(0))
     for threads, expected in ((None, cores), (3, 3)):
         settings = load_settings(var_dir=str(tmp_path / "var"), model={"dir": str(tiny_model_dir), "threads": 1},
-                                 midtrain={"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_at_end": False,
+                                 midtrain={"steps": 2, "batch_tokens": 256, "warmup_steps": 0, "eval_at_end": False,
                                            "threads": threads})
         seen: list[int] = []
         out = run_midtrain(settings, out_dir=tmp_path / f"mid-{threads}", progress=False,
