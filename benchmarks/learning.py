@@ -28,6 +28,7 @@ from offline_rl.corpus import build_default_model
 from offline_rl.evaluate import GridResult, paired_gain, temperature_grid
 from offline_rl.grpo import run_grpo
 from offline_rl.midtrain import continue_midtrain, run_midtrain
+from offline_rl.presets import apply_overrides
 from offline_rl.sandbox import SandboxPool
 from offline_rl.splits import load_split
 from policy.loading import load_policy
@@ -45,10 +46,7 @@ QUICK = {
 def _configure(settings, quick: bool, work: Path):
     s = settings.model_copy(deep=True)
     if quick:
-        for section, values in QUICK.items():
-            target = getattr(s, section)
-            for key, value in values.items():
-                setattr(target, key, value)
+        apply_overrides(s, QUICK)
     s.midtrain.eval_at_end = False
     s.grpo.out_dir = str(work / "grpo")
     s.grpo.eval_every, s.grpo.publish = 0, False

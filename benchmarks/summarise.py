@@ -32,6 +32,7 @@ from offline_rl.corpus import build_default_model
 from offline_rl.evaluate import EvalResult, evaluate
 from offline_rl.grpo import run_grpo
 from offline_rl.midtrain import run_midtrain
+from offline_rl.presets import apply_overrides
 from offline_rl.rollout import min_budget
 from offline_rl.sandbox import SandboxPool
 from offline_rl.splits import load_split
@@ -52,10 +53,7 @@ QUICK = {
 def _configure(settings, quick: bool, work: Path):
     s = settings.model_copy(deep=True)
     if quick:
-        for section, values in QUICK.items():
-            target = getattr(s, section)
-            for key, value in values.items():
-                setattr(target, key, value)
+        apply_overrides(s, QUICK)
     s.env.kind = "repo"
     s.tasks.repo_families = ["trace"]
     s.tasks.repo_path = None

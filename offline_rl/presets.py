@@ -33,7 +33,12 @@ def apply_preset(settings, name: str | None):
         return settings
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))}")
-    for section, values in PRESETS[name].items():
+    return apply_overrides(settings, PRESETS[name])
+
+
+def apply_overrides(settings, overrides: dict[str, dict[str, Any]]):
+    """Set ``overrides`` (section -> field -> value) on ``settings`` in place (validated) and return it."""
+    for section, values in overrides.items():
         target = getattr(settings, section)
         for key, value in values.items():
             setattr(target, key, value)
