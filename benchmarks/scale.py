@@ -63,7 +63,7 @@ def _trainer_main(model_dir: str, out_json: str, steps: int) -> None:
         "out_dir": str(work / f"mid-{Path(out_json).stem}")})
     dp = setup(settings.distributed)
     # The documents of the timed steps: the corpus stream is seeded, so replaying it counts them.
-    stream = midtrain_batches(load_tokenizer(model_dir), settings.midtrain, settings.tasks.heldout_fraction)
+    stream = midtrain_batches(load_tokenizer(model_dir), settings.midtrain, settings.tasks)
     sizes = [len(next(stream)) for _ in range(steps)]
     marks: list[tuple[float, float]] = []
     fraction: list[float] = []

@@ -54,7 +54,8 @@ class MidtrainSettings(Section):
     control_lr_ratio: float = Field(0.3, gt=0, le=1, description="Peak LR of the matched-compute control's warm "
                                     "restart, as a share of lr (it decays to min_lr_ratio over the control's time).")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
-    seed: int = Field(1, description="Corpus and shuffling seed (the tokenizer's corpus used seed 0).")
+    seed: int = Field(1, description="Seed that draws the corpus's documents. Which functions the corpus "
+                      "leaves out follows tasks.seed: the split the model is evaluated on.")
     eval_at_end: bool = Field(True, description="Report held-out success of the result.")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads for the training loop; unset: "
                                 "one per core (mid-training runs alone and its batches split well across cores, "

@@ -20,7 +20,7 @@ import random
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from offline_rl.config import MidtrainSettings
+from offline_rl.config import MidtrainSettings, TaskSettings
 from offline_rl.demos import DemoHabits, Segment, transcript_text, transcripts
 from offline_rl.tasks import corpus as function_corpus
 from policy.config import TinyModelSettings
@@ -53,12 +53,13 @@ def segment_ids(tokenizer, segments: list[Segment]) -> list[int]:
     return ids
 
 
-def documents(n: int, seed: int, heldout_fraction: float, agent_share: float,
+def documents(n: int, seed: int, split_seed: int, heldout_fraction: float, agent_share: float,
               habits: DemoHabits | None = None) -> Iterator[list[Segment]]:
-    """``n`` documents, a share ``agent_share`` of them agent transcripts, the rest function documents."""
+    """``n`` documents drawn with ``seed``, a share ``agent_share`` of them agent transcripts, the rest
+    function documents; none touches a function held out by the split with ``split_seed``."""
     rng = random.Random(seed + 70_001)
-    fdocs = function_corpus(n, seed=seed, heldout_fraction=heldout_fraction)
-    tdocs = transcripts(n, seed=seed, heldout_fraction=heldout_fraction, habits=habits)
+    fdocs = function_corpus(n, seed=seed, heldout_fraction=heldout_fraction, split_seed=split_seed)
+    tdocs = transcripts(n, seed=seed, heldout_fraction=heldout_fraction, habits=habits, split_seed=split_seed)
     for _ in range(n):
         yield next(tdocs) if rng.random() < agent_share else function_segments(next(fdocs))
 
@@ -96,10 +97,12 @@ def token_batches(tokenizer, docs: Iterable[list[Segment]], batch_tokens: int) -
         yield from batches
 
 
-def midtrain_batches(tokenizer, cfg: MidtrainSettings, heldout_fraction: float) -> Iterator[list[list[int]]]:
+def midtrain_batches(tokenizer, cfg: MidtrainSettings, tasks: TaskSettings) -> Iterator[list[list[int]]]:
+    """Mid-training batches: documents drawn with ``midtrain.seed``, held-out functions those of the
+    task split (``tasks.seed``, ``tasks.heldout_fraction``) the model is evaluated on."""
     habits = DemoHabits(**cfg.demo_habits) if cfg.demo_habits else None
-    return token_batches(tokenizer, documents(1 << 40, cfg.seed, heldout_fraction, cfg.agent_share, habits),
-                         cfg.batch_tokens)
+    docs = documents(1 << 40, cfg.seed, tasks.seed, tasks.heldout_fraction, cfg.agent_share, habits)
+    return token_batches(tokenizer, docs, cfg.batch_tokens)
 
 
 def tokenizer_texts(n: int, seed: int, heldout_fraction: float = 0.2) -> list[str]:

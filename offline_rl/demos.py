@@ -168,10 +168,11 @@ class Demonstrator:
 
 
 def transcripts(n: int, seed: int = 0, heldout_fraction: float = 0.2,
-                habits: DemoHabits | None = None) -> Iterator[list[Segment]]:
-    """``n`` transcripts over freshly drawn *training* tasks (held-out functions never appear)."""
+                habits: DemoHabits | None = None, split_seed: int | None = None) -> Iterator[list[Segment]]:
+    """``n`` transcripts over freshly drawn *training* tasks: held-out functions of the split with
+    ``split_seed`` (default: ``seed``) never appear."""
     habits = habits or DemoHabits()
-    train_specs, _ = split_specs(seed, heldout_fraction)
+    train_specs, _ = split_specs(seed if split_seed is None else split_seed, heldout_fraction)
     rng = random.Random(seed + 50_021)
     demo = Demonstrator(habits, train_specs, rng)
     for i in range(n):

@@ -144,7 +144,7 @@ def _midtrain(settings: Settings, init_dir: str | Path | None, out_dir: str | Pa
     model, tok = dp.shard(policy.model), policy.tokenizer
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    batches = midtrain_batches(tok, cfg, settings.tasks.heldout_fraction)
+    batches = midtrain_batches(tok, cfg, settings.tasks)
     if seconds is None:
         def lr_at(step: int, _elapsed: float) -> float:
             return cfg.lr * lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)

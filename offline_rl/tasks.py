@@ -149,13 +149,17 @@ def generate_tasks(seed: int = 0, heldout_fraction: float = 0.2, instances_per_f
 
 
 def corpus(n_examples: int, seed: int = 0, heldout_fraction: float = 0.2,
-           spaced_share: float = 0.2) -> Iterator[str]:
+           spaced_share: float = 0.2, split_seed: int | None = None) -> Iterator[str]:
     """Mid-training documents: train-split functions only, fresh visible examples each time.
+
+    ``seed`` draws the documents; ``split_seed`` (default: ``seed``) is the seed of the split whose
+    held-out functions must stay out: the task generator's (``tasks.seed``) for a corpus the model
+    is later evaluated against.
 
     ``spaced_share`` of the answers use the spaced style (``x * 8 + 7``): a minority habit the
     offline reward ignores but the simulated users of the real-time stage prefer.
     """
-    train_specs, _ = split_specs(seed, heldout_fraction)
+    train_specs, _ = split_specs(seed if split_seed is None else split_seed, heldout_fraction)
     rng = random.Random(seed + 2)
     for _ in range(n_examples):
         spec = rng.choice(train_specs)

@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from offline_rl.corpus import LENGTH_BUCKET, function_segments, segment_ids, token_batches
+from offline_rl.corpus import LENGTH_BUCKET, documents, function_segments, segment_ids, token_batches
+from offline_rl.demos import transcript_text, transcripts
 from offline_rl.midtrain import lr_factor
+from offline_rl.tasks import split_specs
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -34,6 +36,20 @@ def test_prompt_and_answer_are_tokenized_as_at_inference(tiny_model_dir):
     head = tok(prompt, add_special_tokens=False)["input_ids"]
     assert ids[:len(head)] == head  # the prompt ends in the same (bare space) token the sampler sees
     assert tok.decode(ids) == prompt + "x*8+7\n"
+
+
+def test_the_corpus_leaves_out_the_evaluated_splits_held_out_functions():
+    """Documents are drawn with midtrain.seed (1) but must leave out the functions held out by the task
+    split (tasks.seed, 0): drawn with the split of seed 1, 77 of 400 function documents and 18 of 60
+    transcripts answered a held-out function of split 0."""
+    _, held = split_specs(0, 0.2)
+    answers = {s.expr for s in held} | {s.spaced for s in held}
+    docs = documents(400, seed=1, split_seed=0, heldout_fraction=0.2, agent_share=0.0)
+    assert not [segs for segs in docs if segs[-1][0].strip() in answers]
+    leaked = [f"return {a}\n" for a in answers]
+    texts = [transcript_text(t) for t in transcripts(60, seed=1, split_seed=0)]
+    assert not [t for t in texts if any(p in t for p in leaked)]
+    assert [t for t in (transcript_text(t) for t in transcripts(60, seed=1)) if any(p in t for p in leaked)]
 
 
 class _CharTokenizer:
