@@ -6,12 +6,15 @@ import json
 
 import typer
 
+from policy.cli_settings import settings_or_exit
+
 PRESET_HELP = "Settings preset applied on top of the config: 'fast' (CI, offline stage in a few minutes)."
 
 
 def register(app: typer.Typer) -> None:
     @app.command("init-model")
     def init_model(
+        ctx: typer.Context,
         out: str | None = typer.Option(None, "--out", "-o", help="Output directory (default: model.dir)."),
         seed: int | None = typer.Option(None, help="Seed (default: tiny.seed). Same seed, same model."),
         force: bool = typer.Option(False, "--force", help="Overwrite an existing model directory."),
@@ -26,9 +29,8 @@ def register(app: typer.Typer) -> None:
 
         from offline_rl.corpus import build_default_model
         from policy.tiny import parameter_count
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         cfg = settings.tiny if seed is None else settings.tiny.model_copy(update={"seed": seed})
         target = Path(out or settings.model.dir)
         if (target / "config.json").exists() and not force:
@@ -54,6 +56,7 @@ def register(app: typer.Typer) -> None:
 
     @tasks_app.command("export")
     def tasks_export(
+        ctx: typer.Context,
         out: str = typer.Argument(..., help="Output JSONL file (metadata.split = train | heldout)."),
         config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
     ) -> None:
@@ -64,9 +67,8 @@ def register(app: typer.Typer) -> None:
         from offline_rl.repo_tasks import write_repo_tasks
         from offline_rl.splits import load_repo_split, load_task_split
         from offline_rl.tasks import write_tasks_jsonl
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         if settings.env.kind == "repo":
             rsplit = load_repo_split(settings.tasks)
             write_repo_tasks(rsplit.train + rsplit.heldout, out)
@@ -81,6 +83,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("midtrain")
     def midtrain(
+        ctx: typer.Context,
         init: str | None = typer.Option(None, "--init", help="Start from this HF dir (default: model.dir)."),
         out: str | None = typer.Option(None, "--out", "-o", help="Output HF dir (default: midtrain.out_dir)."),
         steps: int | None = typer.Option(None, help="Override midtrain.steps."),
@@ -95,9 +98,8 @@ def register(app: typer.Typer) -> None:
         from offline_rl.presets import apply_preset
         from policy.distributed import DistributedError, is_main_process, shutdown
         from policy.loading import ModelLoadError
-        from rtrl.cli import settings_or_exit
 
-        settings = apply_preset(settings_or_exit(config), preset)
+        settings = apply_preset(settings_or_exit(ctx, config), preset)
         if steps is not None:
             settings.midtrain.steps = steps
         try:
@@ -114,6 +116,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("grpo")
     def grpo(
+        ctx: typer.Context,
         init: str | None = typer.Option(None, "--init", help="Start from this HF dir (default: midtrain.out_dir)."),
         steps: int | None = typer.Option(None, help="Override grpo.steps."),
         mode: str | None = typer.Option(None, help="sync | async | remote (override grpo.mode)."),
@@ -137,9 +140,8 @@ def register(app: typer.Typer) -> None:
         from offline_rl.rollout import BudgetError
         from policy.distributed import DistributedError, is_main_process, shutdown
         from policy.loading import ModelLoadError
-        from rtrl.cli import settings_or_exit
 
-        settings = apply_preset(settings_or_exit(config), preset)
+        settings = apply_preset(settings_or_exit(ctx, config), preset)
         try:
             for key, value in (("steps", steps), ("mode", mode), ("rollout_engine", engine), ("out_dir", out)):
                 if value is not None:
@@ -169,6 +171,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("rollout-worker")
     def rollout_worker(
+        ctx: typer.Context,
         worker_id: str | None = typer.Option(None, "--worker-id", help="This worker's name in the trainer's "
                                              "logs and metrics (default: host-pid)."),
         max_batches: int | None = typer.Option(None, "--max-batches", help="Stop after sending this many batches "
@@ -191,9 +194,8 @@ def register(app: typer.Typer) -> None:
 
         from offline_rl.remote import run_rollout_worker
         from policy.registry import RegistryError
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         try:
             for key, value in (("transport", transport), ("dir", directory)):
                 if value is not None:
@@ -218,6 +220,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("eval")
     def eval_cmd(
+        ctx: typer.Context,
         model: str | None = typer.Option(None, "--model", "-m", help="HF dir (default: grpo final, else model.dir)."),
         against: list[str] = typer.Option(None, "--against", "-a", help="Another HF dir to compare with, each "
                                           "at its own best temperature (repeatable): the mid-trained model, the "
@@ -247,9 +250,8 @@ def register(app: typer.Typer) -> None:
         from offline_rl.sandbox import SandboxPool
         from offline_rl.splits import load_split
         from policy.loading import ModelLoadError, load_policy
-        from rtrl.cli import settings_or_exit
 
-        settings = apply_preset(settings_or_exit(config), preset)
+        settings = apply_preset(settings_or_exit(ctx, config), preset)
         torch.set_num_threads(settings.model.threads)
         if samples:
             settings.eval.samples = samples

@@ -14,6 +14,8 @@ from typing import Any
 
 import typer
 
+from policy.cli_settings import settings_or_exit
+
 registry_app = typer.Typer(help="The model version registry: the only way weights move between stages.",
                            no_args_is_help=True)
 
@@ -22,11 +24,10 @@ _URL = typer.Option(None, "--url", help="Registry directory or fsspec URL (defau
 _JSON = typer.Option(False, "--json", help="Print one JSON document.")
 
 
-def _open(config: str | None, url: str | None):
+def _open(ctx: typer.Context, config: str | None, url: str | None):
     from policy.registry import Registry
-    from rtrl.cli import settings_or_exit
 
-    settings = settings_or_exit(config)
+    settings = settings_or_exit(ctx, config)
     overrides = {} if url is None else {"url": url}
     # progress bars only for a person watching: stderr is a terminal
     return Registry.from_settings(settings.registry.model_copy(update=overrides), progress=sys.stderr.isatty())
@@ -76,6 +77,7 @@ def _metrics(pairs: list[str]) -> dict[str, float]:
 
 @registry_app.command("publish")
 def publish(
+    ctx: typer.Context,
     hf_dir: str = typer.Argument(..., help="HF model directory (safetensors weights + config/tokenizer files)."),
     parent: str | None = typer.Option(None, "--parent", "-p", help="Parent version (id, prefix, channel, latest): "
                                       "stored as a delta against it when that is smaller."),
@@ -88,7 +90,7 @@ def publish(
     config: str | None = _CONFIG,
 ) -> None:
     """Publish an HF directory as a new immutable version (atomic; identical content returns the existing id)."""
-    reg = _open(config, url)
+    reg = _open(ctx, config, url)
     info = _run(lambda: reg.publish(hf_dir, parent=parent, stage=stage, run=run, metrics=_metrics(metric),
                                     snapshot=snapshot))
     if as_json:
@@ -99,6 +101,7 @@ def publish(
 
 @registry_app.command("materialize")
 def materialize(
+    ctx: typer.Context,
     version: str = typer.Argument(..., help="Version id, unique prefix, channel name, or latest."),
     out_dir: str | None = typer.Argument(None, help="Output directory (default: the cache, registry.cache_dir)."),
     as_json: bool = _JSON,
@@ -106,7 +109,7 @@ def materialize(
     config: str | None = _CONFIG,
 ) -> None:
     """Rebuild a version (snapshot + delta chain, bit-exact) as an HF directory transformers and vLLM load."""
-    reg = _open(config, url)
+    reg = _open(ctx, config, url)
     path = _run(lambda: reg.materialize(version, out_dir))
     if as_json:
         _emit({"version": reg.resolve(version), "path": str(path)})
@@ -115,9 +118,9 @@ def materialize(
 
 
 @registry_app.command("list")
-def list_versions(as_json: bool = _JSON, url: str | None = _URL, config: str | None = _CONFIG) -> None:
+def list_versions(ctx: typer.Context, as_json: bool = _JSON, url: str | None = _URL, config: str | None = _CONFIG) -> None:
     """Every version, oldest first, with the channels pointing at it."""
-    reg = _open(config, url)
+    reg = _open(ctx, config, url)
     infos = _run(reg.list)
     if as_json:
         _emit([i.to_dict() for i in infos])
@@ -130,13 +133,14 @@ def list_versions(as_json: bool = _JSON, url: str | None = _URL, config: str | N
 
 @registry_app.command("show")
 def show(
+    ctx: typer.Context,
     version: str = typer.Argument(..., help="Version id, unique prefix, channel name, or latest."),
     as_json: bool = _JSON,
     url: str | None = _URL,
     config: str | None = _CONFIG,
 ) -> None:
     """A version's manifest: lineage, metrics, storage, tensors and files."""
-    reg = _open(config, url)
+    reg = _open(ctx, config, url)
     data = _run(lambda: reg.show(version))
     if as_json:
         _emit(data)
@@ -154,13 +158,14 @@ def show(
 
 @registry_app.command("verify")
 def verify(
+    ctx: typer.Context,
     version: str | None = typer.Argument(None, help="One version (and the chain it needs); default: everything."),
     as_json: bool = _JSON,
     url: str | None = _URL,
     config: str | None = _CONFIG,
 ) -> None:
     """Re-read and check every byte: manifests, file SHA-256s, bit-exact rebuilds, channels. Exit 1 on a problem."""
-    reg = _open(config, url)
+    reg = _open(ctx, config, url)
     report = _run(lambda: reg.verify(version))
     if as_json:
         _emit(report.to_dict())
@@ -177,6 +182,7 @@ def verify(
 
 @registry_app.command("diff")
 def diff(
+    ctx: typer.Context,
     a: str = typer.Argument(..., help="From version."),
     b: str = typer.Argument(..., help="To version."),
     as_json: bool = _JSON,
@@ -184,7 +190,7 @@ def diff(
     config: str | None = _CONFIG,
 ) -> None:
     """Per-tensor changes from A to B and the size the delta codec stores for them."""
-    reg = _open(config, url)
+    reg = _open(ctx, config, url)
     data = _run(lambda: reg.diff(a, b))
     if as_json:
         _emit(data)
@@ -200,6 +206,7 @@ def diff(
 
 @registry_app.command("promote")
 def promote(
+    ctx: typer.Context,
     version: str = typer.Argument(..., help="Version id, unique prefix, channel name, or latest."),
     channel: str = typer.Option("candidate", "--channel", help="Channel to point at the version."),
     note: str | None = typer.Option(None, help="Why (kept in the channel history)."),
@@ -208,7 +215,7 @@ def promote(
     config: str | None = _CONFIG,
 ) -> None:
     """Point a channel at a version, atomically; the previous version stays reachable by rollback."""
-    reg = _open(config, url)
+    reg = _open(ctx, config, url)
     info = _run(lambda: reg.promote(version, channel, note=note))
     if as_json:
         _emit({"channel": channel, "version": info.id})
@@ -218,6 +225,7 @@ def promote(
 
 @registry_app.command("rollback")
 def rollback(
+    ctx: typer.Context,
     channel: str = typer.Option("production", "--channel", help="Channel to roll back."),
     note: str | None = typer.Option(None, help="Why (kept in the channel history)."),
     as_json: bool = _JSON,
@@ -225,7 +233,7 @@ def rollback(
     config: str | None = _CONFIG,
 ) -> None:
     """Point a channel back at the version it had before its last promotion."""
-    reg = _open(config, url)
+    reg = _open(ctx, config, url)
     info = _run(lambda: reg.rollback(channel, note=note))
     if as_json:
         _emit({"channel": channel, "version": info.id})
@@ -235,13 +243,14 @@ def rollback(
 
 @registry_app.command("history")
 def history(
+    ctx: typer.Context,
     channel: str = typer.Argument(..., help="Channel name."),
     as_json: bool = _JSON,
     url: str | None = _URL,
     config: str | None = _CONFIG,
 ) -> None:
     """Every promote and rollback of a channel, oldest first."""
-    reg = _open(config, url)
+    reg = _open(ctx, config, url)
     events = _run(lambda: reg.history(channel))
     if as_json:
         _emit({"channel": channel, "current": _run(lambda: reg.channel(channel)), "history": events})
@@ -255,6 +264,7 @@ def history(
 
 @registry_app.command("gc")
 def gc(
+    ctx: typer.Context,
     keep: list[str] = typer.Option([], "--keep", help="Versions to keep besides channels and the newest (repeatable)."),
     keep_last: int | None = typer.Option(None, "--keep-last", help="Newest versions to keep (default: registry.keep_last)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only report what would be deleted."),
@@ -263,7 +273,7 @@ def gc(
     config: str | None = _CONFIG,
 ) -> None:
     """Delete versions no channel, --keep or the newest need (their delta chains are kept), and dead staging."""
-    reg = _open(config, url)
+    reg = _open(ctx, config, url)
     report = _run(lambda: reg.gc(keep, keep_last=keep_last, dry_run=dry_run))
     if as_json:
         _emit(report)

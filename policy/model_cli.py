@@ -6,10 +6,13 @@ import json
 
 import typer
 
+from policy.cli_settings import settings_or_exit
+
 
 def register(app: typer.Typer) -> None:
     @app.command("sample")
     def sample(
+        ctx: typer.Context,
         prompt: list[str] = typer.Argument(..., help="Prompt text (repeat for a batch). Use $'..\\n..' for newlines."),
         model_dir: str | None = typer.Option(None, "--model", "-m", help="HF model directory (default: model.dir)."),
         n: int = typer.Option(1, "-n", help="Samples per prompt."),
@@ -27,9 +30,8 @@ def register(app: typer.Typer) -> None:
 
         from policy.loading import ModelLoadError, load_policy
         from policy.sampling import SamplingParams, generate
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         torch.set_num_threads(settings.model.threads)
         try:
             policy = load_policy(model_dir or settings.model.dir, settings.model.dtype, settings.model.device)

@@ -11,6 +11,8 @@ import json
 
 import typer
 
+from policy.cli_settings import settings_or_exit
+
 ConfigOption = typer.Option(None, "--config", "-c", help="TOML settings file (default rtrl.toml).")
 
 
@@ -25,6 +27,7 @@ def register(app: typer.Typer) -> None:
 def _register_ingest(app: typer.Typer) -> None:
     @app.command("ingest")
     def ingest(
+        ctx: typer.Context,
         follow: bool = typer.Option(True, "--follow/--once", help="--follow: run until SIGTERM/Ctrl-C; "
                                     "--once: stop when caught up with the bus."),
         max_idle_s: float | None = typer.Option(None, "--max-idle-s", help="With --follow: stop after this "
@@ -41,9 +44,8 @@ def _register_ingest(app: typer.Typer) -> None:
         from realtime_rl.database import redacted_url
         from realtime_rl.ingest import Ingester
         from realtime_rl.schema import SchemaNotReady
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         log = lambda msg: typer.echo(msg, err=True)  # noqa: E731
         try:
             ingester = Ingester(settings, log_fn=log)
@@ -82,6 +84,7 @@ def _register_dlq(app: typer.Typer) -> None:
 
     @dlq.command("list")
     def dlq_list(
+        ctx: typer.Context,
         limit: int = typer.Option(50, "--limit", "-n", help="Most rows shown (newest first)."),
         reason: str | None = typer.Option(None, "--reason", help="Only this reason (oversized, undecodable, "
                                           "schema_invalid, conflict, db_rejected)."),
@@ -92,9 +95,8 @@ def _register_dlq(app: typer.Typer) -> None:
         """List dead letters (newest first)."""
         from realtime_rl.database import make_engine
         from realtime_rl.deadletters import list_dead_letters
-        from rtrl.cli import settings_or_exit
 
-        engine = make_engine(settings_or_exit(config).db, readonly=True)
+        engine = make_engine(settings_or_exit(ctx, config).db, readonly=True)
         try:
             rows = list_dead_letters(engine, limit=limit, reason=reason, include_replayed=include_replayed)
         finally:
@@ -113,6 +115,7 @@ def _register_dlq(app: typer.Typer) -> None:
 
     @dlq.command("replay")
     def dlq_replay(
+        ctx: typer.Context,
         ids: list[int] = typer.Argument(None, help="Dead-letter ids to replay (see `rtrl dlq list`)."),
         replay_all: bool = typer.Option(False, "--all", help="Replay every unreplayed letter (with --reason: "
                                         "every one with that reason)."),
@@ -124,12 +127,11 @@ def _register_dlq(app: typer.Typer) -> None:
         from realtime_rl.bus import BusUnavailable, open_producer
         from realtime_rl.database import make_engine
         from realtime_rl.deadletters import replay
-        from rtrl.cli import settings_or_exit
 
         if not ids and not replay_all:
             typer.echo("name dead-letter ids, or pass --all", err=True)
             raise typer.Exit(2)
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         engine = make_engine(settings.db)
         producer = open_producer(settings.bus)
         try:
@@ -154,40 +156,39 @@ def _register_db(app: typer.Typer) -> None:
 
     @db.command("upgrade")
     def db_upgrade(
+        ctx: typer.Context,
         revision: str = typer.Argument("head", help="Target revision."),
         config: str | None = ConfigOption,
     ) -> None:
         """Upgrade the feedback database (db.url) to REVISION (default: newest)."""
         from realtime_rl import schema
         from realtime_rl.database import redacted_url
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         schema.upgrade(settings.db, revision)
         typer.echo(f"{redacted_url(settings.db)}: at {_current(settings.db)}")
 
     @db.command("downgrade")
     def db_downgrade(
+        ctx: typer.Context,
         revision: str = typer.Argument("-1", help="Target revision (`base` removes every table)."),
         config: str | None = ConfigOption,
     ) -> None:
         """Downgrade the feedback database to REVISION (default: one step back)."""
         from realtime_rl import schema
         from realtime_rl.database import redacted_url
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         schema.downgrade(settings.db, revision)
         typer.echo(f"{redacted_url(settings.db)}: at {_current(settings.db)}")
 
     @db.command("current")
-    def db_current(config: str | None = ConfigOption) -> None:
+    def db_current(ctx: typer.Context, config: str | None = ConfigOption) -> None:
         """Print the database's revision and the newest one available."""
         from realtime_rl import schema
         from realtime_rl.database import redacted_url
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         typer.echo(f"{redacted_url(settings.db)}: at {_current(settings.db)} (newest {schema.head_revision()})")
 
 

@@ -6,10 +6,13 @@ import json
 
 import typer
 
+from policy.cli_settings import settings_or_exit
+
 
 def register(app: typer.Typer) -> None:
     @app.command("update")
     def update(
+        ctx: typer.Context,
         once: bool = typer.Option(True, "--once", help="Run a single cycle and exit (what this command always "
                                   "does; `rtrl scheduler` runs cycles on a schedule)."),
         force: bool = typer.Option(False, "--force", help="Run even with fewer than schedule.min_feedback new "
@@ -22,10 +25,9 @@ def register(app: typer.Typer) -> None:
         The update step runs data-parallel over N ranks with `torchrun --nproc_per_node N -m rtrl update`
         (distributed.mode); rank 0 does the rest of the cycle."""
         from policy.distributed import DistributedError, is_main_process, shutdown
-        from realtime_rl.update import run_update_cycle
-        from rtrl.cli import settings_or_exit
+        from realtime_rl.cycle import run_update_cycle
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         try:
             result = run_update_cycle(settings, force=force, log=lambda m: typer.echo(m, err=True))
             main = is_main_process()
@@ -49,13 +51,13 @@ def register(app: typer.Typer) -> None:
 
     @app.command("scheduler")
     def scheduler(
+        ctx: typer.Context,
         config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
     ) -> None:
         """Run update cycles every schedule.update_interval (interval or cron) until interrupted."""
         from realtime_rl.schedule import build_scheduler, parse_trigger, scheduled_cycle
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         try:
             parse_trigger(settings.schedule.update_interval)
         except ValueError as err:
@@ -72,6 +74,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("releases")
     def releases_cmd(
+        ctx: typer.Context,
         limit: int = typer.Option(20, help="Most recent N releases."),
         runs: bool = typer.Option(False, "--runs", help="List every update run (skipped ones too)."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON lines."),
@@ -81,9 +84,8 @@ def register(app: typer.Typer) -> None:
         from realtime_rl.database import make_engine
         from realtime_rl.release import list_releases, list_runs
         from realtime_rl.schema import ensure_schema
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         ensure_schema(settings.db)
         engine = make_engine(settings.db)
         try:

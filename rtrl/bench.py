@@ -20,11 +20,13 @@ from typing import Any
 
 import typer
 
+from policy.cli_settings import settings_or_exit
+
 BENCHMARKS: dict[str, str] = {
-    "registry": "policy.bench_registry:run",
+    "registry": "benchmarks.registry:run",
     "grpo": "benchmarks.grpo:run",
     "gateway": "benchmarks.gateway:run",
-    "ingest": "realtime_rl.bench_ingest:run",
+    "ingest": "benchmarks.ingest:run",
     "online": "benchmarks.online:run",
     "learning": "benchmarks.learning:run",
     "chaos": "benchmarks.chaos:run",
@@ -93,6 +95,7 @@ def resolve(name: str) -> Callable[..., dict[str, Any]]:
 def register(app: typer.Typer) -> None:
     @app.command("bench")
     def bench(
+        ctx: typer.Context,
         name: str = typer.Argument(..., help=f"One of: {', '.join(sorted(BENCHMARKS))}."),
         as_json: bool = typer.Option(False, "--json", help="End with one JSON line (always printed last)."),
         quick: bool = typer.Option(False, "--quick", help="A reduced run (smaller sizes) for smoke tests."),
@@ -101,9 +104,8 @@ def register(app: typer.Typer) -> None:
         config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
     ) -> None:
         """Run a benchmark and print its result; the last line is one JSON object."""
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         run = resolve(name)
         record = {"bench": name, **machine_record(settings.model.threads)}
         t0 = time.perf_counter()

@@ -13,7 +13,18 @@ import sys
 
 import typer
 
+from policy.cli_settings import CommandContext
 from rtrl.config import ConfigError, load_settings, redacted
+
+
+def load_settings_or_exit(config: str | None = None):
+    """Load settings, turning a bad key or value into a clean exit with the message."""
+    try:
+        return load_settings(config)
+    except ConfigError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2) from None
+
 
 app = typer.Typer(
     name="rtrl",
@@ -22,6 +33,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # every package's commands find their settings loader here (policy.cli_settings)
+    context_settings={"obj": CommandContext(load_settings_or_exit)},
 )
 config_app = typer.Typer(help="Inspect the effective settings (rtrl.toml + RTRL_* env + defaults).",
                          no_args_is_help=True)
@@ -31,22 +44,13 @@ app.add_typer(config_app, name="config")
 COMMAND_MODULES = ["policy.model_cli", "policy.cli", "offline_rl.cli", "serving.cli", "realtime_rl.cli", "realtime_rl.release_cli", "rtrl.bench", "rtrl.demo"]
 
 
-def settings_or_exit(config: str | None = None):
-    """Load settings, turning a bad key or value into a clean exit with the message."""
-    try:
-        return load_settings(config)
-    except ConfigError as err:
-        typer.echo(str(err), err=True)
-        raise typer.Exit(2) from None
-
-
 @config_app.command("show")
 def config_show(
     config: str | None = typer.Option(None, "--config", "-c", help="TOML file (default rtrl.toml)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of TOML-like text."),
 ) -> None:
     """Print the effective settings, secrets masked."""
-    data = redacted(settings_or_exit(config))
+    data = redacted(load_settings_or_exit(config))
     if as_json:
         typer.echo(json.dumps(data, indent=2, default=str))
         return

@@ -29,12 +29,15 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from policy.cli_settings import settings_or_exit
 from rtrl.config import Settings
+from serving.auth import issue_key
 
 STAGES = ("model", "midtrain", "grpo", "online", "report")
 
@@ -253,7 +256,7 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
 
     su = s.simusers
     users = build_population(su)
-    register_keys(s, users)
+    register_keys(users, partial(issue_key, s))
     state.data["online_user_kinds"] = {u.caller: u.kind for u in users}
     state.save()
     tasks = generate_tasks(s.tasks.seed, s.tasks.heldout_fraction).train
@@ -509,6 +512,7 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
 def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo(
+        ctx: typer.Context,
         fast: bool = typer.Option(False, "--fast", help="The reduced CI path: the offline stage on the single-turn "
                                   "function tasks (the 'functions' preset, minutes instead of the agent "
                                   "environment's tens of minutes), 2 real-time releases instead of 3."),
@@ -523,9 +527,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the whole lifecycle: tiny model → mid-train → GRPO to the gate → serve → simulated users →
         real-time releases → report (var/report/index.html). Interrupt and rerun to resume."""
-        from rtrl.cli import settings_or_exit
 
-        settings = settings_or_exit(config)
+        settings = settings_or_exit(ctx, config)
         try:
             summary = run_demo(settings, fast=fast, restart=restart, from_production=from_production,
                                releases=releases, log=lambda m: typer.echo(m, err=as_json), summary_to_stderr=as_json)

@@ -32,7 +32,10 @@ def test_python_speed_scales_with_the_work(monkeypatch) -> None:
 def test_bench_command_prints_the_machine_record_in_its_json_line(monkeypatch, tmp_path) -> None:
     import typer
 
-    app = typer.Typer()
+    from policy.cli_settings import CommandContext
+    from rtrl.cli import load_settings_or_exit
+
+    app = typer.Typer(context_settings={"obj": CommandContext(load_settings_or_exit)})
     bench.register(app)
 
     @app.command("noop")
