@@ -5,11 +5,12 @@ One section per stage; every field is documented because `rtrl config show` and 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import Field, SecretStr
 
-from policy.config import Section
+from policy.config import DistributedSettings, ModelSettings, RegistrySettings, Section, TinyModelSettings
+from realtime_rl.config import BusSettings
 
 
 class TaskSettings(Section):
@@ -222,3 +223,23 @@ class RolloutSettings(Section):
                                    "how often the trainer re-reads the dir transport's directory.")
     max_batch_bytes: int = Field(256 * 2**20, ge=1024, description="Largest decompressed batch the trainer "
                                  "accepts; a larger one is refused and logged.")
+
+
+class OfflineSettings(Protocol):
+    """The sections of the settings root that the offline stage reads. The root (``rtrl.config.Settings``)
+    assembles every stage's sections and satisfies this; the stage never imports it."""
+
+    model: ModelSettings
+    tiny: TinyModelSettings
+    registry: RegistrySettings
+    distributed: DistributedSettings
+    bus: BusSettings
+    tasks: TaskSettings
+    midtrain: MidtrainSettings
+    grpo: GRPOSettings
+    rollout: RolloutSettings
+    eval: EvalSettings
+    sandbox: SandboxSettings
+    rewards: RewardSettings
+    judge: JudgeSettings
+    env: EnvSettings

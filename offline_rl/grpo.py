@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offline_rl.agent_env import RepoEnv, header
+from offline_rl.config import OfflineSettings
 from offline_rl.evaluate import (
     EvalResult,
     behaviour_means,
@@ -68,7 +69,6 @@ from offline_rl.sandbox import SandboxPool
 from offline_rl.splits import load_split
 from offline_rl.workers import AsyncRollouts, WorkerConfig, sample_tasks
 from policy.distributed import DataParallel, DistributedError, setup
-from rtrl.config import Settings
 
 CKPT_DIR = "checkpoints"
 SHARDS = "shards"
@@ -131,7 +131,7 @@ class GRPOTrainer:
     Under torchrun (``dp``, see policy/distributed.py) the model is sharded with FSDP2; every rank
     gets the whole batch and computes the gradient of its rows of each micro-batch."""
 
-    def __init__(self, settings: Settings, model_dir: str | Path, dp: DataParallel | None = None):
+    def __init__(self, settings: OfflineSettings, model_dir: str | Path, dp: DataParallel | None = None):
         import torch
 
         from policy.loading import load_policy
@@ -450,7 +450,7 @@ class GRPORun:
     evaluates, publishes and writes the metrics; each batch, evaluation result and published version
     reaches the other ranks by broadcast, so every rank takes the same steps (policy/distributed.py)."""
 
-    def __init__(self, settings: Settings, init_dir: str | Path | None, *, resume: bool,
+    def __init__(self, settings: OfflineSettings, init_dir: str | Path | None, *, resume: bool,
                  log: Callable[[str], None], publish_fn: Callable[..., str | None] | None):
         import torch
 
@@ -713,7 +713,7 @@ class GRPORun:
             self.sandbox.close()
 
 
-def run_grpo(settings: Settings, init_dir: str | Path | None = None, *, progress: bool = True,
+def run_grpo(settings: OfflineSettings, init_dir: str | Path | None = None, *, progress: bool = True,
              log: Callable[[str], None] | None = None, resume: bool = True, evaluate_before: bool = True,
              evaluate_after: bool = True, publish_fn: Callable[..., str | None] | None = None) -> GRPOResult:
     """Train with GRPO from ``init_dir`` (default: the mid-trained model) into ``grpo.out_dir``.

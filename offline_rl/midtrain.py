@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from offline_rl.config import OfflineSettings
 from offline_rl.corpus import midtrain_batches
 from offline_rl.evaluate import evaluate_settings
 from policy.distributed import DataParallel, setup
 from policy.loading import load_policy
 from policy.routing import geometry_of
-from rtrl.config import Settings
 
 
 def lr_factor(step: int, total: int, warmup: int, min_ratio: float, schedule: str = "cosine") -> float:
@@ -111,7 +111,7 @@ def _loop(model, opt, batches: Iterator[list[list[int]]], pad_id: int, device: s
     return losses
 
 
-def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir: str | Path | None = None,
+def run_midtrain(settings: OfflineSettings, init_dir: str | Path | None = None, out_dir: str | Path | None = None,
                  progress: bool = True, log: Callable[[str], None] | None = None,
                  on_step: Callable[[int, object], None] | None = None, *, seconds: float | None = None) -> Path:
     """Train from ``init_dir`` (default ``model.dir``) and save an HF directory; returns its path.
@@ -132,7 +132,7 @@ def run_midtrain(settings: Settings, init_dir: str | Path | None = None, out_dir
         torch.set_num_threads(caller_threads)
 
 
-def _midtrain(settings: Settings, init_dir: str | Path | None, out_dir: str | Path | None, progress: bool,
+def _midtrain(settings: OfflineSettings, init_dir: str | Path | None, out_dir: str | Path | None, progress: bool,
               log: Callable[[str], None] | None, on_step: Callable[[int, object], None] | None,
               seconds: float | None) -> Path:
     cfg = settings.midtrain
@@ -192,7 +192,7 @@ def _midtrain(settings: Settings, init_dir: str | Path | None, out_dir: str | Pa
     return out
 
 
-def continue_midtrain(settings: Settings, init_dir: str | Path, out_dir: str | Path, seconds: float,
+def continue_midtrain(settings: OfflineSettings, init_dir: str | Path, out_dir: str | Path, seconds: float,
                       progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """The matched-compute control: ``seconds`` more mid-training from ``init_dir`` (module docstring)."""
     return run_midtrain(settings, init_dir=init_dir, out_dir=out_dir, progress=progress, log=log, seconds=seconds)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from rtrl.config import Settings
+from offline_rl.config import OfflineSettings
 
 STAGE = "offline"
 
@@ -22,7 +22,7 @@ class GateNotPassed(ValueError):
     """Refused: the metrics do not show the gate was reached."""
 
 
-def publish_model(settings: Settings, hf_dir: str | Path, metrics: Mapping[str, float], *,
+def publish_model(settings: OfflineSettings, hf_dir: str | Path, metrics: Mapping[str, float], *,
                   log: Callable[[str], None] | None = None, run: str | None = None,
                   supersede: str | None = None) -> str:
     """Publish ``hf_dir``; returns the version id. Raises :class:`GateNotPassed` below the gate.
