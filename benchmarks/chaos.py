@@ -4,7 +4,7 @@ One bounded, loopback-only run per stack: the embedded defaults (embedded bus, S
 PostgreSQL (a Tansu broker whose log is kept in an S3 store on loopback, and a PostgreSQL instance
 the run initialises and starts itself under a temporary directory). Each stack runs, as separate
 processes: the gateway (``rtrl serve``, its event spill directory on a small tmpfs of its own mount
-namespace), the ingester (``python -m realtime_rl.ingest``) and the updater (``rtrl update``); the
+namespace), the ingester (``rtrl ingest``) and the updater (``rtrl update``); the
 simulated users (``realtime_rl.simusers``) call the gateway through the official ``openai`` client
 and post their judgements to ``/v1/feedback``.
 
@@ -39,8 +39,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from serving.auth import issue_key
 
 STACKS = ("embedded", "kafka_postgres")
 SPILL_TMPFS_BYTES = 4 << 20
@@ -212,7 +215,7 @@ class Stack:
         raise RuntimeError("no engine process under the gateway")
 
     def start_ingester(self) -> None:
-        self.ingester = self.spawn("-m", "realtime_rl.ingest", name="ingester")
+        self.ingester = self.spawn("-m", "rtrl", "ingest", name="ingester")
 
     def close(self) -> None:
         for proc in (self.gateway, self.ingester):
@@ -271,7 +274,7 @@ def _prepare_model(stack: Stack, model_dir: Path | None) -> list:
     version = store.publish(model_dir, parent=None, metrics={})
     store.promote(version, "production")
     users = make_population(6, 7, 0.3, 0.9)
-    register_keys(s, users)
+    register_keys(users, partial(issue_key, s))
     return users
 
 
@@ -667,7 +670,7 @@ def _reconcile(stack: Stack, ledger: Ledger) -> dict[str, Any]:
                        for r in conn.execute(sa.text("SELECT key, detail, raw FROM dead_letters")) if r[0] is not None]
     finally:
         engine.dispose()
-    report = Registry(stack.settings.registry.url).verify()
+    report = Registry.from_settings(stack.settings.registry).verify()
     dead = {key for key, _, _ in letters}
     served, accepted = ledger.served, ledger.feedback_accepted
     in_db_c, in_db_f = served & set(completions), accepted & set(feedback)

@@ -33,8 +33,11 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+from serving.auth import issue_key
 
 MIDTRAIN_STEPS_OVER_GATE = 600  # held-out pass@1 0.63-0.68 on the tiny model (offline_rl/presets.py)
 
@@ -66,7 +69,7 @@ def _base_model(settings, root: Path, log) -> tuple[Path, bool]:
     try:
         from policy.registry import Registry
 
-        reg = Registry(settings.registry.url)
+        reg = Registry.from_settings(settings.registry)
         prod = reg.channel("production")
         if prod:
             log(f"base model: production version {prod} of {settings.registry.url}")
@@ -210,10 +213,10 @@ def run_cell(s, root: Path, base_dir: Path, base_pass: float, evaluator, K: int,
              tamper: Callable[[int, Any], str | None] | None = None) -> dict[str, Any]:
     """K cycles of the loop on one population (see the module docstring); returns the cell's record."""
     from offline_rl.tasks import generate_tasks
+    from realtime_rl.cycle import run_update_cycle
     from realtime_rl.ingest import Ingester
     from realtime_rl.release import RegistryStore
     from realtime_rl.simusers import FeedbackBacklog, build_population, register_keys, run_traffic
-    from realtime_rl.update import run_update_cycle
     from serving.gateway import Gateway
     from serving.server import GatewayServer
 
@@ -223,7 +226,7 @@ def run_cell(s, root: Path, base_dir: Path, base_pass: float, evaluator, K: int,
     store.promote(base_version, "production")
     su = s.simusers
     users = build_population(su)
-    register_keys(s, users)
+    register_keys(users, partial(issue_key, s))
     train_tasks = generate_tasks(s.tasks.seed, s.tasks.heldout_fraction).train
     versions: dict[str, dict[str, Any]] = {base_version: {"version": base_version, "parent": None, "n": 0,
                                                           "accepted": 0, "kinds": {}, "offline_pass_at_1": base_pass,

@@ -55,7 +55,7 @@ def build_scheduler(settings, job: Callable[[], object], *, blocking: bool = Tru
 
 def scheduled_cycle(settings, log: Callable[[str], None] = print) -> Callable[[], object]:
     """The job: one update cycle; an exception is logged, never kills the scheduler."""
-    from realtime_rl.update import run_update_cycle
+    from realtime_rl.cycle import run_update_cycle
 
     def job():
         try:

@@ -21,7 +21,7 @@ import ast
 import math
 import random
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,13 +240,11 @@ def build_population(cfg, seed: int | None = None) -> list[SimUser]:
     return make_realistic_population(cfg, seed)
 
 
-def register_keys(settings, users: Sequence[SimUser]) -> None:
-    from serving.auth import create_api_key, split_key
-
+def register_keys(users: Sequence[SimUser], issue: Callable[[str], tuple[str, str]]) -> None:
+    """Give every user an API key of its own: ``issue(name)`` returns (plaintext key, caller id), e.g.
+    ``functools.partial(serving.auth.issue_key, settings)``."""
     for u in users:
-        u.api_key = create_api_key(settings, u.name)
-        parts = split_key(u.api_key)
-        u.caller = parts[0] if parts else u.name
+        u.api_key, u.caller = issue(u.name)
 
 
 def task_weights(tasks: Sequence[Task], t: int, day_length: int, shift: float) -> list[float]:

@@ -53,44 +53,18 @@ Departures from textbook REINFORCE: the importance ratio against μ instead of o
 PPO-style clip with μ as the old policy (single rollout, several epochs); a leave-one-out bucket
 baseline rather than a learned critic by default.
 
-``run_update_cycle`` is one full cycle: dataset → update → candidate published in the registry →
-release gate → promote or refuse → run record. It takes the updater lock, so two schedulers never
-update at once.
+One full cycle around this update (dataset, candidate, gate, release) is :mod:`realtime_rl.cycle`.
 """
 
 from __future__ import annotations
 
 import random
-import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
-from policy.distributed import DataParallel, setup
+from policy.distributed import DataParallel
 from realtime_rl.config import UpdateSettings
 from realtime_rl.dataset import TrainingExample
-
-
-@dataclass
-class CycleResult:
-    """What one update cycle did (also the row written to ``update_runs``)."""
-
-    run_id: str
-    status: str  # skipped | released | refused | canary | locked | failed
-    reason: str
-    production_version: str | None = None
-    candidate_version: str | None = None
-    n_train: int = 0
-    n_heldout: int = 0
-    metrics: dict[str, Any] = field(default_factory=dict)
-    gate: dict[str, Any] = field(default_factory=dict)
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int):
@@ -306,97 +280,6 @@ def compute_advantages(examples: Sequence[TrainingExample], cfg: UpdateSettings,
     if cfg.caller_baseline_prior > 0:
         return caller_centred(examples, history, cfg.baseline_prior, cfg.caller_baseline_prior)
     return bucket_mean_advantages(examples, history, cfg.baseline_prior)
-
-
-def run_update_cycle(settings, *, force: bool = False, log: Callable[[str], None] = print, store=None,
-                     evaluator=None, producer=None, should_stop: Callable[[], bool] = lambda: False,
-                     now: datetime | None = None, tamper: Callable[[Any], str | None] | None = None) -> CycleResult:
-    """One cycle under the updater lock; see :func:`realtime_rl.release.cycle_body` for the steps.
-    ``tamper`` (benchmarks only) may break the trained candidate before it is published and gated.
-
-    Under torchrun (``distributed``) rank 0 runs the cycle; the other ranks only join its training
-    step (:func:`train_candidate`) and return rank 0's result."""
-    dp = setup(settings.distributed, settings.model.device)
-    if not dp.enabled:
-        return _cycle(settings, force=force, log=log, store=store, evaluator=evaluator, producer=producer,
-                      should_stop=should_stop, now=now, tamper=tamper)
-    if not dp.is_main:
-        return _follow(dp, settings)
-    result = None
-    try:
-        result = _cycle(settings, force=force, log=log, store=store, evaluator=evaluator, producer=producer,
-                        should_stop=should_stop, now=now, tamper=tamper)
-        return result
-    finally:
-        dp.broadcast((_DONE, result))
-
-
-_TRAIN, _DONE = "train", "done"
-
-
-def train_candidate(settings, policy, production: str, examples: Sequence[TrainingExample],
-                    advantages: Sequence[float], *, pad_token_id: int, log: Callable[[str], None],
-                    should_stop: Callable[[], bool]) -> dict[str, float]:
-    """The update of ``policy.model`` (the production weights, loaded on this process): in this
-    process, or under torchrun on every rank, each from ``production`` in the registry, with FSDP2;
-    the trained weights come back into ``policy.model`` on rank 0."""
-    dp = setup(settings.distributed, settings.model.device)
-    if not dp.enabled:
-        return train_policy(policy.model, examples, advantages, settings.update, pad_token_id=pad_token_id,
-                            log=log, should_stop=should_stop)
-    dp.broadcast((_TRAIN, {"production": production, "examples": list(examples), "advantages": list(advantages),
-                           "pad_token_id": pad_token_id}))
-    metrics, state = _train_sharded(dp, settings, production, examples, advantages, pad_token_id, log, should_stop)
-    policy.model.load_state_dict(state)
-    return metrics
-
-
-def _train_sharded(dp: DataParallel, settings, production: str, examples, advantages, pad_token_id: int,
-                   log: Callable[[str], None], should_stop: Callable[[], bool]) -> tuple[dict, dict | None]:
-    from policy.loading import load_policy
-    from realtime_rl.release import RegistryStore
-
-    model = load_policy(RegistryStore(settings).materialize(production), settings.model.dtype, dp.device).model
-    model = dp.shard(model)
-    metrics = train_policy(model, examples, advantages, settings.update, pad_token_id=pad_token_id, log=log,
-                           should_stop=should_stop, dp=dp)
-    return metrics, dp.full_state_dict(model)
-
-
-def _follow(dp: DataParallel, settings) -> CycleResult:
-    """A rank other than 0: train when rank 0 says so, until it says the cycle is over."""
-    while True:
-        kind, payload = dp.broadcast(None)
-        if kind == _DONE:
-            if payload is None:
-                raise RuntimeError("rank 0's update cycle failed; see its log")
-            return payload
-        _train_sharded(dp, settings, payload["production"], payload["examples"], payload["advantages"],
-                       payload["pad_token_id"], lambda _m: None, lambda: False)
-
-
-def _cycle(settings, *, force: bool, log: Callable[[str], None], store, evaluator, producer,
-           should_stop: Callable[[], bool], now: datetime | None, tamper) -> CycleResult:
-    from realtime_rl.database import make_engine
-    from realtime_rl.locks import updater_lock
-    from realtime_rl.release import cycle_body
-    from realtime_rl.schema import ensure_schema
-
-    t0 = time.perf_counter()
-    run_id = f"run-{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
-    ensure_schema(settings.db)
-    engine = make_engine(settings.db)
-    try:
-        with updater_lock(engine, settings.schedule.lock_name, stale_s=settings.schedule.lock_stale_s) as held:
-            if not held:
-                return CycleResult(run_id, "locked", "another updater holds the lock",
-                                   seconds=time.perf_counter() - t0)
-            result = cycle_body(settings, engine, run_id, force=force, log=log, store=store, evaluator=evaluator,
-                                producer=producer, should_stop=should_stop, now=now, tamper=tamper)
-    finally:
-        engine.dispose()
-    result.seconds = time.perf_counter() - t0
-    return result
 
 
 def save_candidate(policy, out_dir: Path) -> Path:

@@ -128,3 +128,10 @@ class KeyStore:
 def create_api_key(settings, name: str) -> str:
     """Create a key in ``settings.serving.api_keys_file``; return the plaintext key."""
     return KeyStore(settings.serving.api_keys_file).create(name)
+
+
+def issue_key(settings, name: str) -> tuple[str, str]:
+    """A new key for ``name``: (the plaintext key, the caller id the gateway logs for its requests)."""
+    key = create_api_key(settings, name)
+    parts = split_key(key)
+    return key, parts[0] if parts else name

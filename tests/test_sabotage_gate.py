@@ -7,8 +7,8 @@ online`'s sabotage cell.)"""
 from __future__ import annotations
 
 from benchmarks.online import _sabotage
+from realtime_rl.cycle import run_update_cycle
 from realtime_rl.release import RegistryStore
-from realtime_rl.update import run_update_cycle
 from tests.rtrl_update_fixtures import make_world, sqlite_url  # noqa: F401
 
 

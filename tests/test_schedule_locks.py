@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from realtime_rl.cycle import run_update_cycle
 from realtime_rl.database import make_engine
 from realtime_rl.locks import updater_lock
 from realtime_rl.release import RegistryStore, list_runs
 from realtime_rl.release_tables import updater_locks
 from realtime_rl.schedule import build_scheduler, parse_trigger
 from realtime_rl.schema import upgrade
-from realtime_rl.update import run_update_cycle
 from tests.rtrl_update_fixtures import make_settings, make_world, sqlite_url  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +149,7 @@ def test_two_schedulers_one_update(tmp_path, sqlite_url, tiny_model_dir):  # noq
 KILLED_RUN = textwrap.dedent("""
     import sys, time
     from rtrl.config import load_settings
-    from realtime_rl.update import run_update_cycle
+    from realtime_rl.cycle import run_update_cycle
     marker = sys.argv[1]
     def log(msg):
         if "epoch 1/" in msg:

@@ -10,10 +10,10 @@ import pytest
 import sqlalchemy as sa
 from typer.testing import CliRunner
 
+from realtime_rl.cycle import run_update_cycle
 from realtime_rl.database import make_engine
 from realtime_rl.release import RegistryStore, list_releases, list_runs
 from realtime_rl.release_tables import baselines
-from realtime_rl.update import run_update_cycle
 from tests.rtrl_update_fixtures import insert_logged, make_world, sqlite_url  # noqa: F401
 
 
