@@ -37,12 +37,8 @@ _COUNT_COLUMNS = ("n_feedback", "n_accept", "n_edit", "n_reject", "n_completions
 _RATE_COLUMNS = ("accept_rate", "edit_rate", "reject_rate")
 
 
-def connect_readonly(url: str | None = None) -> sa.Engine:
-    """A read-only engine for ``url``, or for the configured ``db.url`` (``RTRL_DB__URL`` / rtrl.toml)."""
-    if url is None:
-        from rtrl.config import load_settings
-
-        url = load_settings().db.url.get_secret_value()
+def connect_readonly(url: str) -> sa.Engine:
+    """A read-only engine for ``url`` (the configured one: ``load_settings().db.url.get_secret_value()``)."""
     return make_engine(url, readonly=True)
 
 

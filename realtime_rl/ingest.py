@@ -506,31 +506,3 @@ class Ingester:
         if self._writer is not None:
             self._writer.close()
         self.engine.dispose()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m realtime_rl.ingest [--once]``: the same as ``rtrl ingest`` (used by crash tests)."""
-    import argparse
-    import signal
-
-    from rtrl.config import load_settings
-
-    parser = argparse.ArgumentParser(description="Ingest bus events into the feedback tables.")
-    parser.add_argument("--once", action="store_true", help="Stop when caught up.")
-    args = parser.parse_args(argv)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    ingester = Ingester(load_settings())
-    try:
-        if args.once:
-            ingester.drain()
-        else:
-            ingester.run(stop)
-    finally:
-        ingester.close()
-    print(ingester.stats.as_dict(), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@ SIGKILLed at random points and the network path to the broker is cut for ~10 s.
 The producer plays the gateway: it sends 10k events (completions, feedback, out-of-order feedback,
 revised feedback) keyed by completion id through a Tansu proxy, and when a flush fails it resends
 everything since the last good flush (so the log holds duplicates). The ingester is a separate
-process (``python -m realtime_rl.ingest``). The Tansu test broker keeps its log only in memory, so
+process (``rtrl ingest``). The Tansu test broker keeps its log only in memory, so
 the path is cut by stopping the proxy, not the broker. Afterwards every event is in the tables
 exactly once, and the joins are the ones the stream implies.
 """
@@ -96,7 +96,7 @@ def test_every_event_lands_exactly_once_despite_kills_and_a_network_cut(
     logs = open(tmp_path / "ingester.log", "ab")  # noqa: SIM115 (kept open across restarts)
 
     def start_ingester() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "realtime_rl.ingest"], env=env, stdout=logs, stderr=logs)
+        return subprocess.Popen([sys.executable, "-m", "rtrl", "ingest"], env=env, stdout=logs, stderr=logs)
 
     producer = GatewayLikeProducer(bus, topic, stream.messages)
     ingester = start_ingester()
@@ -151,7 +151,7 @@ def test_every_event_lands_exactly_once_despite_kills_and_a_network_cut(
             f"{producer.error!r}; sent {producer.sent}, failed flushes {producer.failed_flushes}, timeline {timeline}"
         ingester.send_signal(signal.SIGKILL)  # one more kill, wherever it is, then catch up
         ingester.wait(10)
-        drain = subprocess.run([sys.executable, "-m", "realtime_rl.ingest", "--once"], env=env, timeout=120,
+        drain = subprocess.run([sys.executable, "-m", "rtrl", "ingest", "--once"], env=env, timeout=120,
                                capture_output=True, text=True)
         assert drain.returncode == 0, drain.stderr[-2000:]
     finally:

@@ -30,7 +30,7 @@ def test_sigkill_during_ingest_leaves_every_event_exactly_once(tmp_path: Path) -
     rng = random.Random(7)
     killed_mid_way = 0
     for _ in range(3):
-        proc = subprocess.Popen([sys.executable, "-m", "realtime_rl.ingest"], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "rtrl", "ingest"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         before = counts(url, "completions")["completions"]
         # At a random share of the work left, not after a random delay: a delay that used to land
@@ -44,7 +44,7 @@ def test_sigkill_during_ingest_leaves_every_event_exactly_once(tmp_path: Path) -
         done = counts(url, "completions")["completions"]
         killed_mid_way += before < done < len(stream.completions)
     assert killed_mid_way >= 2, "the kills did not land while the ingester was working"
-    subprocess.run([sys.executable, "-m", "realtime_rl.ingest", "--once"], env=env, check=True, timeout=120,
+    subprocess.run([sys.executable, "-m", "rtrl", "ingest", "--once"], env=env, check=True, timeout=120,
                    capture_output=True)
     assert counts(url, "completions", "feedback", "training_examples", "dead_letters") == {
         "completions": len(stream.completions), "feedback": len(stream.feedback),

@@ -27,7 +27,7 @@ EVENTS = 20_000
 
 def _start(env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as f:
-        return subprocess.Popen([sys.executable, "-m", "realtime_rl.ingest"], env=env, stdout=f, stderr=f)
+        return subprocess.Popen([sys.executable, "-m", "rtrl", "ingest"], env=env, stdout=f, stderr=f)
 
 
 def _assignments(log: Path, topic: str) -> list[list[int]]:
