@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from realtime_rl import bench_ingest
+from benchmarks import ingest as bench_ingest
 
 
 @pytest.mark.postgres
