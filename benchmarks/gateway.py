@@ -68,9 +68,9 @@ import torch
 import uvicorn
 from tqdm import tqdm
 
+from offline_rl.corpus import build_default_model
 from policy.loading import load_model
 from policy.sampling import SamplingParams
-from policy.tiny import build_tiny_model
 from serving.auth import create_api_key
 from serving.engines.torch_process import new_event_loop
 from serving.server import GatewayServer, _free_port, start_server, uvicorn_options
@@ -641,7 +641,7 @@ def run(settings, quick: bool, log) -> dict:
         base = Path(settings.model.dir)
         if not (base / "config.json").is_file():
             log(f"{base} has no model; building the tiny default in {work}")
-            base = build_tiny_model(work / "tiny", settings.tiny)
+            base = build_default_model(work / "tiny", settings.tiny)
         log("writing 6 model versions for the swap phase")
         versions = _versions(base, work / "versions", 6)
         link = work / "current"
