@@ -79,6 +79,8 @@ def _fmt(value: Any) -> str:
     if isinstance(value, dict) and "gain" in value:
         ci = value.get("ci95")
         return f"{value['gain']:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
+    if isinstance(value, dict) and {"p50", "p99"} <= value.keys():
+        return f"p50 {_fmt(value['p50'])}, p99 {_fmt(value['p99'])}"
     if isinstance(value, list) and value and isinstance(value[0], dict):
         return "<br>".join(", ".join(f"{k}={_fmt(v)}" for k, v in cell.items() if not isinstance(v, dict | list))
                            for cell in value)
