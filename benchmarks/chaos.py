@@ -32,6 +32,7 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -39,10 +40,25 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
+import sqlalchemy as sa
+from openai import OpenAI
+
+from offline_rl.corpus import build_default_model
+from offline_rl.tasks import generate_tasks
+from policy.registry import Registry
+from realtime_rl import tables
+from realtime_rl.bus import BusUnavailable, open_producer
+from realtime_rl.database import make_engine
+from realtime_rl.release import RegistryStore
+from realtime_rl.simusers import make_population, register_keys
+from rtrl import devservices
+from rtrl.config import load_settings
 from serving.auth import issue_key
 
 STACKS = ("embedded", "kafka_postgres")
@@ -127,8 +143,6 @@ class Stack:
     """One stack's services, settings (as ``RTRL_*`` variables for the child processes) and processes."""
 
     def __init__(self, settings, kind: str, root: Path, log) -> None:
-        from rtrl import devservices
-
         self.kind, self.root, self.log = kind, root, log
         self.s3 = self.broker = self.pg = None
         (root / "none.toml").write_text("# every setting of this run comes from RTRL_* variables\n")
@@ -159,8 +173,6 @@ class Stack:
         self.env = {**os.environ, **env}
         self.env.pop("RTRL_CONFIG_FILE", None)
         with _environ(env):
-            from rtrl.config import load_settings
-
             self.settings = load_settings()
         self.port = devservices.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -181,8 +193,6 @@ class Stack:
         self.wait_ready(180)
 
     def wait_ready(self, timeout_s: float) -> float:
-        import httpx
-
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout_s:
             if self.gateway is not None and self.gateway.poll() is not None:
@@ -194,8 +204,6 @@ class Stack:
         raise RuntimeError(f"the gateway was not ready within {timeout_s} s")
 
     def readyz(self) -> dict:
-        import httpx
-
         with contextlib.suppress(httpx.HTTPError, ValueError):
             return httpx.get(self.url + "/readyz", timeout=5).json()
         return {}
@@ -263,9 +271,6 @@ def _environ(values: dict[str, str]):
 def _prepare_model(stack: Stack, model_dir: Path | None) -> list:
     """The model (``model_dir``, else a new tiny one), published and promoted in the stack's registry;
     simulated users with keys."""
-    from offline_rl.corpus import build_default_model
-    from realtime_rl.release import RegistryStore
-    from realtime_rl.simusers import make_population, register_keys
 
     s = stack.settings
     if model_dir is None:
@@ -281,11 +286,6 @@ def _prepare_model(stack: Stack, model_dir: Path | None) -> list:
 # -- traffic -------------------------------------------------------------------------------------
 
 def _traffic(stack: Stack, users, ledger: Ledger, stop: threading.Event, threads: int) -> list[threading.Thread]:
-    import httpx
-    from openai import OpenAI
-
-    from offline_rl.tasks import generate_tasks
-
     s = stack.settings
     tasks = generate_tasks(s.tasks.seed, s.tasks.heldout_fraction).train
 
@@ -339,7 +339,6 @@ def _traffic(stack: Stack, users, ledger: Ledger, stop: threading.Event, threads
 
 def _forger(stack: Stack, users, ledger: Ledger, stop: threading.Event) -> None:
     """Feedback that must be refused: made-up, tampered, another caller's, and replayed tokens."""
-    import httpx
 
     rng = random.Random(11)
     http = httpx.Client(base_url=stack.url, timeout=30)
@@ -392,7 +391,6 @@ def _malformed(i: int) -> list[tuple[str, bytes]]:
 
 def _send_malformed(stack: Stack, ledger: Ledger, burst: int) -> None:
     """Straight onto the bus; resent until flushed (a resend is the same key: counted once)."""
-    from realtime_rl.bus import BusUnavailable, open_producer
 
     items = _malformed(burst)
     deadline = time.monotonic() + 60
@@ -418,24 +416,16 @@ def _send_malformed(stack: Stack, ledger: Ledger, burst: int) -> None:
 def _last_commit(stack: Stack):
     """The newest commit time of the ingester (its offsets move in every transaction), UTC; None if the
     database cannot be read right now."""
-    from datetime import UTC
-
-    import sqlalchemy as sa
-
-    from realtime_rl import tables as t
-    from realtime_rl.database import make_engine
 
     engine = make_engine(stack.settings.db)
     try:
         with engine.connect() as conn:
-            ts = conn.execute(sa.select(sa.func.max(t.consumer_offsets.c.updated_at))).scalar()
+            ts = conn.execute(sa.select(sa.func.max(tables.consumer_offsets.c.updated_at))).scalar()
     except sa.exc.SQLAlchemyError:
         return None
     finally:
         engine.dispose()
     if isinstance(ts, str):
-        from datetime import datetime
-
         ts = datetime.fromisoformat(ts)
     return None if ts is None else (ts if ts.tzinfo else ts.replace(tzinfo=UTC))
 
@@ -451,8 +441,6 @@ def _wait_commit(stack: Stack, after, t0: float, timeout_s: float = 90.0) -> flo
 
 
 def _now():
-    from datetime import UTC, datetime
-
     return datetime.now(UTC)
 
 
@@ -494,7 +482,6 @@ def _fill(path: Path) -> None:
 
 def _bus_outage(stack: Stack, ledger: Ledger, plan: Plan) -> None:
     """The bus goes away for ``plan.bus_outage_s``; meanwhile the spill tmpfs is full for ``spill_full_s``."""
-    import sqlite3
 
     held = None
     if stack.broker is not None:
@@ -633,10 +620,6 @@ def _settle(stack: Stack, ledger: Ledger, timeout_s: float = 180.0) -> None:
 
 
 def _seen(stack: Stack) -> tuple[int, int, int] | None:
-    import sqlalchemy as sa
-
-    from realtime_rl.database import make_engine
-
     engine = make_engine(stack.settings.db)
     try:
         with engine.connect() as conn:
@@ -653,12 +636,6 @@ def _seen(stack: Stack) -> tuple[int, int, int] | None:
 
 
 def _reconcile(stack: Stack, ledger: Ledger) -> dict[str, Any]:
-    import httpx
-    import sqlalchemy as sa
-
-    from policy.registry import Registry
-    from realtime_rl.database import make_engine
-
     _settle(stack, ledger)
     metrics = httpx.get(stack.url + "/metrics", timeout=10).text
     engine = make_engine(stack.settings.db)

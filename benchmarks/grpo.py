@@ -34,6 +34,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import TrainerCallback
+
+from offline_rl.config import RewardSettings
+from offline_rl.corpus import build_default_model
+from offline_rl.grpo import run_grpo
+from offline_rl.midtrain import run_midtrain
+from offline_rl.presets import apply_preset
+from offline_rl.rewards import RewardFunction
+from offline_rl.sandbox import SandboxPool
+from offline_rl.splits import load_task_split
+from policy.config import TinyModelSettings
+from policy.loading import check_model_dir, load_policy
 from rtrl.config import Settings
 
 PROMPTS, GROUP, MAX_TOKENS = 4, 8, 32
@@ -53,8 +66,6 @@ def _steady_sec_per_step(times: list[float]) -> float:
 
 def _ours(settings: Settings, init_dir: Path, work: Path, mode: str, steps: int, log,
           workers: int = 1, tag: str = "", multi_turn: bool = False) -> dict[str, Any]:
-    from offline_rl.grpo import run_grpo
-
     s = settings.model_copy(deep=True)
     g = s.grpo
     g.out_dir, g.mode, g.steps = str(work / f"ours-{mode}-{workers}{tag}"), mode, steps
@@ -122,16 +133,8 @@ def _pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _trl(settings: Settings, init_dir: Path, work: Path, steps: int, log) -> dict[str, Any]:
-    import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from offline_rl.config import RewardSettings
-    from offline_rl.rewards import RewardFunction
-    from offline_rl.sandbox import SandboxPool
-    from offline_rl.splits import load_task_split
-    from policy.loading import load_policy
 
     policy = load_policy(init_dir)
     tok = policy.tokenizer
@@ -195,14 +198,6 @@ def _trl(settings: Settings, init_dir: Path, work: Path, steps: int, log) -> dic
 
 
 def run(settings: Settings, quick: bool, log) -> dict[str, Any]:
-    import torch
-
-    from offline_rl.corpus import build_default_model
-    from offline_rl.midtrain import run_midtrain
-    from offline_rl.presets import apply_preset
-    from policy.config import TinyModelSettings
-    from policy.loading import check_model_dir
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(settings.model.threads)
     # 24 steps, not 12: one step of ours is ~0.1 s, so 12 steps were about a second of steady state,

@@ -23,6 +23,7 @@ not ``RTRL_``-prefixed, because the settings loader refuses unknown ``RTRL_*`` v
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing as mp
 import os
 import tempfile
@@ -34,7 +35,15 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
 from pydantic import SecretStr
+
+from realtime_rl.bus import open_consumer, open_producer
+from realtime_rl.config import BusSettings
+from realtime_rl.event_samples import sample_stream
+from realtime_rl.ingest import Ingester
+from realtime_rl.ingest_decode import decode_record
+from rtrl import devservices
 
 GOAL_PG_EVENTS_PER_S = 20_000
 GOAL_FRACTION_OF_CEILING = 0.5
@@ -42,9 +51,6 @@ GOAL_FRACTION_OF_CEILING = 0.5
 
 def _produce(bus_json: str, topic: str, n: int, seed: int, ready, go, out) -> None:
     """Child process: build the stream, wait for the start signal, send everything, flush."""
-    from realtime_rl.bus import open_producer
-    from realtime_rl.config import BusSettings
-    from realtime_rl.event_samples import sample_stream
 
     bus = BusSettings.model_validate_json(bus_json)
     messages = sample_stream(n, seed).messages
@@ -66,7 +72,6 @@ class _Producer:
         self.ready, self.go, self.out = ctx.Event(), ctx.Event(), ctx.Queue()
         secret_bus = bus.model_dump_json()
         if bus.sasl_password is not None:  # model_dump_json masks secrets; the child needs the real one
-            import json
 
             data = json.loads(secret_bus)
             data["sasl_password"] = bus.sasl_password.get_secret_value()
@@ -90,8 +95,6 @@ class _Producer:
 def _consume_only(settings, topic: str, n: int, timeout_s: float) -> tuple[float, float]:
     """Poll + decode ``n`` records from offset 0; returns (wall-clock time the last one was decoded,
     CPU seconds this process spent)."""
-    from realtime_rl.bus import open_consumer
-    from realtime_rl.ingest_decode import decode_record
 
     consumer = open_consumer(settings.bus, f"bench-ceiling-{uuid.uuid4().hex[:6]}")
     try:
@@ -112,7 +115,6 @@ def _consume_only(settings, topic: str, n: int, timeout_s: float) -> tuple[float
 def _backend_cpu_s(engine) -> Callable[[], float]:
     """CPU seconds used so far by this database's PostgreSQL server processes (0 for SQLite, which
     runs inside the ingester and is counted there). Read from /proc: the server is on this machine."""
-    import sqlalchemy as sa
 
     if engine.dialect.name != "postgresql":
         return lambda: 0.0
@@ -138,7 +140,6 @@ def _ingest(settings, n: int, timeout_s: float, on_ready: Callable[[], None] | N
     """Run the ingester until ``n`` records are committed; returns (wall time of last commit, stats,
     CPU seconds of the ingester's processes (its writer process's also apart) and of its database
     server processes)."""
-    from realtime_rl.ingest import Ingester
 
     ingester = Ingester(settings)
     try:
@@ -171,8 +172,6 @@ def _ingest(settings, n: int, timeout_s: float, on_ready: Callable[[], None] | N
 
 
 def _check_rows(url: str, stream) -> bool:
-    import sqlalchemy as sa
-
     engine = sa.create_engine(url)
     try:
         with engine.connect() as conn:
@@ -191,7 +190,6 @@ def _rate(n: int, seconds: float) -> float:
 def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         buses: tuple[str, ...] = ("kafka", "embedded")) -> dict[str, Any]:
     """``buses``: the bus rows to measure (all of them from ``rtrl bench``; one, to iterate on it)."""
-    from realtime_rl.event_samples import sample_stream
 
     n = 5_000 if quick else 50_000
     seed = 7
@@ -210,8 +208,6 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print,
 
 def _run(settings, quick: bool, log: Callable[[str], None], buses: tuple[str, ...], n: int, seed: int,
          stream) -> dict[str, Any]:
-    from rtrl import devservices
-
     mean_bytes = sum(len(v) for _, v in stream.messages) / n
     log(f"ingest bench: {n} events per run ({mean_bytes:.0f} B mean; {len(stream.completions)} completions, "
         f"{len(stream.feedback)} feedback)")
@@ -242,7 +238,6 @@ def _run(settings, quick: bool, log: Callable[[str], None], buses: tuple[str, ..
 
             # Ceiling: the same producer, consumed without a database.
             s = fresh("sqlite://")
-            from realtime_rl.bus import open_consumer
 
             with open_consumer(s.bus, "bench-setup") as c:
                 c.partitions(s.bus.events_topic)  # create the topic before the clock starts

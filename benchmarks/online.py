@@ -37,7 +37,24 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
+import torch
+from openai import OpenAI
+
+from offline_rl.corpus import build_default_model
+from offline_rl.midtrain import run_midtrain
+from offline_rl.tasks import generate_tasks
+from policy.loading import load_model, load_policy
+from realtime_rl import tables as t
+from realtime_rl.cycle import run_update_cycle
+from realtime_rl.ingest import Ingester
+from realtime_rl.ope import accept_rate_ci
+from realtime_rl.release import RegistryStore, default_evaluator
+from realtime_rl.simusers import FeedbackBacklog, build_population, register_keys, run_traffic
 from serving.auth import issue_key
+from serving.gateway import Gateway
+from serving.server import GatewayServer
+from serving.versions import VersionRef
 
 MIDTRAIN_STEPS_OVER_GATE = 600  # held-out pass@1 0.63-0.68 on the tiny model (offline_rl/presets.py)
 
@@ -81,8 +98,6 @@ def _base_model(settings, root: Path, log) -> tuple[Path, bool]:
             log(f"base model: {cand}")
             return cand, True
     if not _has_model(settings.model.dir):
-        from offline_rl.corpus import build_default_model
-
         log(f"base model: building the tiny model in {root / 'tiny'}")
         return build_default_model(root / "tiny", settings.tiny), False
     log(f"base model: {settings.model.dir}")
@@ -96,8 +111,6 @@ class _RegistryChannels:
         self.store = store
 
     def current(self, channel: str):
-        from serving.versions import VersionRef
-
         version = self.store.registry.channel(channel)
         if version is None:
             return None
@@ -105,8 +118,6 @@ class _RegistryChannels:
 
 
 def _wait_for_version(base_url: str, key: str, model: str, version: str, timeout_s: float = 120.0) -> bool:
-    from openai import OpenAI
-
     client = OpenAI(api_key=key, base_url=base_url + "/v1", timeout=30)
     deadline = time.monotonic() + timeout_s
     try:
@@ -124,9 +135,6 @@ def _drain(ingester, expected_feedback: int, timeout_s: float = 60.0) -> int:
     """Ingest until the bus is idle and every judgement sent so far is accounted for: a ``feedback``
     row, or a dead letter (the ingester refuses e.g. text with a NUL character, which a random model
     can write and a simulated user can keep in an edit)."""
-    import sqlalchemy as sa
-
-    from realtime_rl import tables as t
 
     def accounted(conn) -> int:
         n = conn.execute(sa.select(sa.func.count()).select_from(t.feedback)).scalar()
@@ -151,8 +159,6 @@ def _drain(ingester, expected_feedback: int, timeout_s: float = 60.0) -> int:
 
 
 def _ci(n: int, a: int) -> list[float] | None:
-    from realtime_rl.ope import accept_rate_ci
-
     return list(accept_rate_ci([True] * a + [False] * (n - a))) if n else None
 
 
@@ -160,7 +166,6 @@ def _sabotage(regressed_dir: Path | None, seed: int, scale: float = 1 / 3) -> Ca
     """Breaks the candidates of even cycles: cycle 0, 4, ... adds noise of ``scale`` times each weight
     tensor's spread; cycle 2, 6, ... loads a regressed checkpoint (an earlier stage's output, or a fresh
     untrained model) into the candidate. Returns the tamper hook and records what it did."""
-    import torch
 
     def tamper(cycle: int, model) -> str | None:
         if cycle % 2:
@@ -172,7 +177,6 @@ def _sabotage(regressed_dir: Path | None, seed: int, scale: float = 1 / 3) -> Ca
                     spread = float(p.float().std()) if p.numel() > 1 else 0.0
                     p.add_(torch.randn(p.shape, generator=gen).to(p.dtype) * spread * scale)
             return "perturbed"
-        from policy.loading import load_model
 
         regressed = load_model(regressed_dir)
         model.load_state_dict(regressed.state_dict())
@@ -186,7 +190,6 @@ def _regressed_checkpoint(settings, root: Path, log) -> Path:
     for cand in (Path(settings.midtrain.out_dir), Path(settings.model.dir)):
         if _has_model(cand):
             return cand
-    from offline_rl.corpus import build_default_model
 
     log(f"sabotage: no earlier checkpoint; a fresh tiny model in {root / 'regressed'} stands in")
     return build_default_model(root / "regressed", settings.tiny)
@@ -212,13 +215,6 @@ def _cell_settings(s, root: Path, name: str):
 def run_cell(s, root: Path, base_dir: Path, base_pass: float, evaluator, K: int, log: Callable[[str], None],
              tamper: Callable[[int, Any], str | None] | None = None) -> dict[str, Any]:
     """K cycles of the loop on one population (see the module docstring); returns the cell's record."""
-    from offline_rl.tasks import generate_tasks
-    from realtime_rl.cycle import run_update_cycle
-    from realtime_rl.ingest import Ingester
-    from realtime_rl.release import RegistryStore
-    from realtime_rl.simusers import FeedbackBacklog, build_population, register_keys, run_traffic
-    from serving.gateway import Gateway
-    from serving.server import GatewayServer
 
     root.mkdir(parents=True, exist_ok=True)
     store = RegistryStore(s)
@@ -346,11 +342,6 @@ def _summarise_cell(versions, order, cycles_out, broken, s, never_sent: int) -> 
 
 def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycles: int | None = None,
         bench_dir: str | Path | None = None, cells: tuple[str, ...] | None = None) -> dict[str, Any]:
-    import torch
-
-    from policy.loading import load_policy
-    from realtime_rl.release import default_evaluator
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(settings.model.threads)
     root = Path(bench_dir or tempfile.mkdtemp(prefix="rtrl-online-"))
@@ -368,8 +359,6 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
     log(f"base held-out pass@1 {base_pass:.3f} (gate {s.eval.gate_threshold})")
     warmup: dict[str, Any] = {}
     if base_pass < s.eval.gate_threshold and not trained:
-        from offline_rl.midtrain import run_midtrain
-
         # The default mid-training stops *below* the gate on purpose (GRPO's job is to cross it); the
         # online bench needs a production-grade start without running GRPO, so it trains longer.
         steps = 200 if quick else max(MIDTRAIN_STEPS_OVER_GATE, s.midtrain.steps)

@@ -39,14 +39,21 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
+import zstandard
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from policy.registry import Registry
+from policy.registry.codec import zigzag
+from policy.registry.materialize import decode_state
+from policy.registry.publish import encode_delta
+from policy.registry.tensors import from_torch, to_torch
+from policy.registry.workers import pmap
 
 WARMUP = 3
 
 
 def _model(quick: bool, seed: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(seed)
     if quick:
         cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
@@ -61,7 +68,6 @@ def _model(quick: bool, seed: int):
 
 def _rl_step(model, opt, vocab_size: int, gen) -> None:
     """One simulated policy-gradient step: -(A * log p(tokens)) on random sequences, random advantages."""
-    import torch
 
     ids = torch.randint(0, vocab_size, (4, 64), generator=gen)
     logits = model(ids).logits[:, :-1]
@@ -74,16 +80,10 @@ def _rl_step(model, opt, vocab_size: int, gen) -> None:
 
 
 def _bf16_bits(model) -> dict[str, Any]:
-    import torch
-
-    from policy.registry.tensors import from_torch
-
     return {n: from_torch(n, p.detach().to(torch.bfloat16), copy=True) for n, p in model.named_parameters()}
 
 
 def _entropy_bytes(new, old) -> float:
-    from policy.registry.codec import zigzag
-
     z = zigzag(new.bits, old.bits)
     counts = np.bincount(z, minlength=1).astype(np.float64)
     counts = counts[counts > 0]
@@ -92,10 +92,6 @@ def _entropy_bytes(new, old) -> float:
 
 
 def _zstd_full(state, workers: int) -> int:
-    import zstandard
-
-    from policy.registry.workers import pmap
-
     def one(tb) -> int:
         return len(zstandard.ZstdCompressor(level=3).compress(memoryview(tb.bits).cast("B")))
 
@@ -114,10 +110,6 @@ def _median_time(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, float,
 
 
 def _cell(reg, prev_id: str, prev_state, cur_state, lr: float, steps: int, workers: int) -> dict[str, Any]:
-    from policy.registry.materialize import decode_state
-    from policy.registry.publish import encode_delta
-    from policy.registry.tensors import to_torch
-
     raw = sum(tb.nbytes for tb in cur_state.values())
     encode_s, encode_cpu_s, enc = _median_time(lambda: encode_delta(reg, cur_state, prev_state))
     t0 = time.perf_counter()
@@ -162,11 +154,6 @@ def _cell(reg, prev_id: str, prev_state, cur_state, lr: float, steps: int, worke
 
 
 def run(settings, quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
-    import torch
-
-    from policy.registry import Registry
-    from policy.registry.tensors import to_torch
-
     torch.set_num_threads(settings.model.threads)
     lrs = [1e-6, 1e-5] if quick else [1e-6, 3e-6, 1e-5]
     step_counts = [1, 5] if quick else [1, 5, 20]

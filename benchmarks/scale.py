@@ -40,7 +40,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rtrl.config import Settings
+from offline_rl.corpus import midtrain_batches
+from offline_rl.midtrain import run_midtrain
+from offline_rl.remote import BATCH_SUFFIX, decode_batch, rollout_registry
+from policy.distributed import setup, shutdown
+from policy.loading import ModelLoadError, check_model_dir, load_tokenizer
+from rtrl.config import Settings, load_settings
 
 WARMUP = 2
 CURVE_STEPS = 5
@@ -51,11 +56,6 @@ GOAL = 1.6
 
 def _trainer_main(model_dir: str, out_json: str, steps: int) -> None:
     """One trainer run (this process, or each rank under torchrun); rank 0 writes ``out_json``."""
-    from offline_rl.corpus import midtrain_batches
-    from offline_rl.midtrain import run_midtrain
-    from policy.distributed import setup, shutdown
-    from policy.loading import load_tokenizer
-    from rtrl.config import load_settings
 
     work = Path(out_json).parent
     settings = load_settings(model={"dir": model_dir}, midtrain={
@@ -106,7 +106,6 @@ def _trainer(model_dir: Path, work: Path, ranks: int, steps: int, log) -> dict[s
 
 def _rollouts(model_dir: Path, work: Path, workers: int, window_s: float, log) -> dict[str, Any]:
     """``workers`` rollout-worker processes; tokens/s over a window once each has sent a batch."""
-    from offline_rl.remote import BATCH_SUFFIX, decode_batch
 
     out = work / f"rollouts-{workers}"
     out.mkdir()
@@ -148,8 +147,6 @@ def _rollouts(model_dir: Path, work: Path, workers: int, window_s: float, log) -
 
 
 def _model_dir(settings: Settings, work: Path) -> Path:
-    from policy.loading import ModelLoadError, check_model_dir
-
     try:
         return check_model_dir(settings.model.dir)
     except ModelLoadError:
@@ -163,8 +160,6 @@ def _bound(cores: int, cpu_one: float, cpu_two: float) -> float:
 
 
 def run(settings: Settings, quick: bool, log) -> dict[str, Any]:
-    from offline_rl.remote import rollout_registry
-
     steps, window_s = (6, 6.0) if quick else (30, 30.0)
     cores = len(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="rtrl-bench-scale-") as tmp:

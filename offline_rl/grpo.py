@@ -53,6 +53,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
 from offline_rl.agent_env import RepoEnv, header
 from offline_rl.config import OfflineSettings
 from offline_rl.evaluate import (
@@ -63,12 +67,27 @@ from offline_rl.evaluate import (
     temperature_grid,
 )
 from offline_rl.judge import make_judge
+from offline_rl.midtrain import lr_factor
+from offline_rl.publish import publish_model
+from offline_rl.remote import RemoteRollouts
 from offline_rl.rewards import RewardFunction
 from offline_rl.rollout import TorchBackend, check_budget, make_env, run_episodes
 from offline_rl.sandbox import SandboxPool
 from offline_rl.splits import load_split
 from offline_rl.workers import AsyncRollouts, WorkerConfig, sample_tasks
 from policy.distributed import DataParallel, DistributedError, setup
+from policy.loading import load_policy
+from policy.logprobs import sequence_logprobs
+from policy.losses import (
+    group_advantages,
+    grpo_policy_loss,
+    masked_mean,
+    mismatch_metrics,
+    replay_metrics,
+    truncated_importance_weight,
+    zero_variance_groups,
+)
+from policy.routing import RouteStats
 
 CKPT_DIR = "checkpoints"
 SHARDS = "shards"
@@ -102,8 +121,6 @@ class GRPOResult:
 
 
 def pad_float(rows: list[list[float]], width: int):
-    import torch
-
     out = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, r in enumerate(rows):
         if r:
@@ -116,8 +133,6 @@ def _take(routes: list | None, idx: list[int]) -> list | None:
 
 
 def pad_bool(rows: list[list[bool]], width: int):
-    import torch
-
     out = torch.zeros((len(rows), width), dtype=torch.bool)
     for i, r in enumerate(rows):
         if r:
@@ -132,10 +147,6 @@ class GRPOTrainer:
     gets the whole batch and computes the gradient of its rows of each micro-batch."""
 
     def __init__(self, settings: OfflineSettings, model_dir: str | Path, dp: DataParallel | None = None):
-        import torch
-
-        from policy.loading import load_policy
-
         self.settings = settings
         self.cfg = settings.grpo
         self.dp = dp or setup(settings.distributed, settings.model.device)
@@ -162,24 +173,10 @@ class GRPOTrainer:
         self.replay = self.cfg.router_replay == "replay"
 
     def lr_at(self, step: int) -> float:
-        from offline_rl.midtrain import lr_factor
-
         c = self.cfg
         return c.lr * lr_factor(step, c.steps, c.warmup_steps, c.min_lr_ratio, c.schedule)
 
     def train_on(self, trajs, staleness: int = 0) -> dict:
-        import torch
-
-        from policy.logprobs import sequence_logprobs
-        from policy.losses import (
-            group_advantages,
-            grpo_policy_loss,
-            masked_mean,
-            mismatch_metrics,
-            truncated_importance_weight,
-            zero_variance_groups,
-        )
-
         c = self.cfg
         G = c.group_size
         n_groups = len(trajs) // G
@@ -310,11 +307,6 @@ class GRPOTrainer:
         """π_old both ways, routers free and routes replayed (no gradient, current weights): the
         train/inference k3 KL and |Δlogp| > ln 2 share of each, and the share of (position, layer)
         pairs where the trainer's free routers differ from the sampler's."""
-        import torch
-
-        from policy.logprobs import sequence_logprobs
-        from policy.losses import replay_metrics
-        from policy.routing import RouteStats
 
         both = {mode: torch.zeros_like(behaviour) for mode in (False, True)}
         stats = RouteStats()
@@ -340,7 +332,6 @@ class GRPOTrainer:
         """Atomic: write ``step-N.tmp``, rename, then replace the ``latest`` pointer. Under torchrun the
         model and optimizer state go in ``shards/`` (one file per rank, torch.distributed.checkpoint)
         beside the HF weights that rollout workers load; rank 0 alone renames and moves the pointer."""
-        import torch
 
         root = run_dir / CKPT_DIR
         final = root / f"step-{self.step:06d}"
@@ -369,9 +360,6 @@ class GRPOTrainer:
         return final
 
     def load_checkpoint(self, ckpt: Path) -> dict:
-        import torch
-        from safetensors.torch import load_file
-
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
         if (ckpt / SHARDS).is_dir():
             # Written by N ranks; loads on any number of them (one process included).
@@ -452,8 +440,6 @@ class GRPORun:
 
     def __init__(self, settings: OfflineSettings, init_dir: str | Path | None, *, resume: bool,
                  log: Callable[[str], None], publish_fn: Callable[..., str | None] | None):
-        import torch
-
         self.settings, self.cfg, self.ev_cfg = settings, settings.grpo, settings.eval
         self.publish_fn = publish_fn
         torch.set_num_threads(settings.model.threads)
@@ -543,8 +529,6 @@ class GRPORun:
         return ok
 
     def starting_best(self) -> tuple[float, float]:
-        from policy.loading import load_policy
-
         policy = load_policy(self.init_dir, "float32", self.settings.model.device)
         grid = temperature_grid(self.settings, policy.model, policy.tokenizer, self.ev_cfg.temperatures,
                                 tasks=self.split.heldout, sandbox=self.sandbox)
@@ -553,7 +537,6 @@ class GRPORun:
     def maybe_publish(self, r: EvalResult, final: bool = False) -> None:
         """The first evaluation that passes the gate is published; at the end of the run the final
         checkpoint supersedes it if it beat it by ``supersede_margin`` (users should get the better one)."""
-        from offline_rl.publish import publish_model
 
         st, t, cfg = self.state, self.trainer, self.cfg
         first = st["published_version"] is None
@@ -589,8 +572,6 @@ class GRPORun:
         base = self.ckpt or self.init_dir
         if cfg.mode == "remote":
             if dp.is_main:
-                from offline_rl.remote import RemoteRollouts
-
                 # ``base`` (the checkpoint, or the initial model) holds the trainer's current weights.
                 self.rollouts = RemoteRollouts(s, base, t.version, self.state.setdefault("rollout_versions", {}),
                                                log=self.say)
@@ -676,8 +657,6 @@ class GRPORun:
                 "time": round(time.perf_counter() - self.t_start, 2)}
 
     def train(self, progress: bool) -> None:
-        from tqdm import tqdm
-
         cfg, t = self.cfg, self.trainer
         bar = tqdm(total=cfg.steps, initial=t.step, desc=f"grpo[{cfg.mode}]", disable=not progress or not self.dp.is_main,
                    dynamic_ncols=True)

@@ -16,6 +16,9 @@ import threading
 import warnings
 from typing import Protocol
 
+import openai
+from openai import OpenAI
+
 from offline_rl.config import JudgeSettings
 from offline_rl.tasks import Task
 
@@ -93,8 +96,6 @@ class LLMJudge:
     """Rubric scores from an OpenAI-compatible chat-completions endpoint (official ``openai`` client)."""
 
     def __init__(self, settings: JudgeSettings, dimensions: tuple[str, ...] = DIMENSIONS, rubric: str = RUBRIC):
-        from openai import OpenAI
-
         self.settings = settings
         self.dimensions = tuple(dimensions)
         self.rubric = rubric
@@ -109,7 +110,6 @@ class LLMJudge:
         with self._lock:
             if key in self._cache:
                 return self._cache[key]
-        import openai
 
         messages = [
             {"role": "system", "content": self.rubric},

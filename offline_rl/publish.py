@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from offline_rl.config import OfflineSettings
+from policy.registry import Registry
 
 STAGE = "offline"
 
@@ -29,7 +30,6 @@ def publish_model(settings: OfflineSettings, hf_dir: str | Path, metrics: Mappin
 
     ``supersede``: an earlier version of the same run this one improves on; it takes ``production``
     only while that version is still there (a real-time release since then is not overridden)."""
-    from policy.registry import Registry
 
     threshold = settings.eval.gate_threshold
     score = float(metrics.get("heldout_pass_at_1", -1.0))

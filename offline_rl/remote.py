@@ -39,10 +39,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 import zstandard
 from pydantic import TypeAdapter, ValidationError
 
-from offline_rl.workers import RolloutBatch
+from offline_rl.judge import make_judge
+from offline_rl.rewards import RewardFunction
+from offline_rl.rollout import TorchBackend, VLLMBackend, make_env, run_episodes
+from offline_rl.sandbox import SandboxPool
+from offline_rl.splits import load_split
+from offline_rl.workers import RolloutBatch, sample_tasks
+from policy.loading import load_policy, load_tokenizer
+from policy.registry import Registry
+from realtime_rl.bus import open_consumer, open_producer
 
 WIRE_FORMAT = 1
 BATCH_SUFFIX = ".rtb"
@@ -136,8 +145,6 @@ class BusTransport:
     """Batches as messages on ``topic`` of the configured bus (Kafka, or the embedded log on one machine)."""
 
     def __init__(self, bus_settings, topic: str, *, receiver: bool) -> None:
-        from realtime_rl.bus import open_consumer, open_producer
-
         self.topic = topic
         self._producer = None if receiver else open_producer(bus_settings)
         self._consumer = None
@@ -171,7 +178,6 @@ def open_transport(settings, *, receiver: bool) -> Transport:
 
 def rollout_registry(settings):
     """The registry, with ``rollout.channel`` among the channels it accepts."""
-    from policy.registry import Registry
 
     channels = list(dict.fromkeys([*settings.registry.channels, settings.rollout.channel]))
     return Registry.from_settings(settings.registry, channels=channels)
@@ -262,14 +268,6 @@ def run_rollout_worker(settings, *, worker_id: str | None = None, max_batches: i
     Follows ``rollout.channel``; sends at most ``rollout.batches_per_version`` batches for one version,
     then waits up to ``rollout.version_wait_s`` for a newer one before sampling on the same weights
     again (a trainer that dropped a batch as stale publishes nothing until it gets another)."""
-    import torch
-
-    from offline_rl.judge import make_judge
-    from offline_rl.rewards import RewardFunction
-    from offline_rl.rollout import make_env, run_episodes
-    from offline_rl.sandbox import SandboxPool
-    from offline_rl.splits import load_split
-    from offline_rl.workers import sample_tasks
 
     stop = stop or threading.Event()
     worker_id = worker_id or default_worker_id()
@@ -339,9 +337,6 @@ class _VersionFollower:
         return False
 
     def _load(self, version_id: str, log: Callable[[str], None]) -> None:
-        from offline_rl.rollout import TorchBackend, VLLMBackend
-        from policy.loading import load_policy, load_tokenizer
-
         info = self.registry.info(version_id)
         version = int(info.metrics.get("grpo_version", -1))
         if self.backend is None:

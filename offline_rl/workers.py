@@ -37,6 +37,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 
+import torch
+import torch.multiprocessing as mp
+
 from offline_rl.rollout import Trajectory
 
 
@@ -227,8 +230,6 @@ class AsyncRollouts:
                  live: list[str] | None = None):
         """``model``: the policy or its full state dict (a data-parallel trainer gathers one on rank 0).
         ``live``: the state-dict names the trainer updates (default all); only they are re-sent."""
-        import torch
-        import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.shared = {k: v.detach().clone().contiguous().share_memory_() for k, v in _state(model).items()}

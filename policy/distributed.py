@@ -46,6 +46,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
 from policy.config import DistributedSettings
 
 T = TypeVar("T")
@@ -90,7 +102,6 @@ class DataParallel:
         """Wrap ``model`` in FSDP2 (each transformer block, then the root), in place; returns it."""
         if not self.enabled:
             return model
-        from torch.distributed.fsdp import fully_shard
 
         block_types = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
@@ -131,7 +142,6 @@ class DataParallel:
         with sync on reduce-scatters the accumulated gradients (and reshards the parameters)."""
         if not self.enabled:
             return
-        import torch
 
         model.set_requires_gradient_sync(True)
         model.set_reshard_after_backward(True)
@@ -165,7 +175,6 @@ class DataParallel:
         """The unsharded state dict on rank 0 (CPU tensors), None on the others; a collective."""
         if not self.enabled:
             return model.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return state if self.is_main else None
@@ -186,7 +195,6 @@ class DataParallel:
 
     def clip_grad_norm(self, parameters, max_norm: float) -> float:
         """Global gradient-norm clip (across every rank's shards); returns the norm before clipping."""
-        import torch
 
         return float(torch.nn.utils.clip_grad_norm_(list(parameters), max_norm))
 
@@ -194,16 +202,12 @@ class DataParallel:
 
     def save_state(self, path: Path, model, optimizer) -> None:
         """Model and optimizer shards of every rank into the directory ``path`` (a collective)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
 
     def load_state(self, path: Path, model, optimizer) -> None:
         """Load what :meth:`save_state` wrote (by any number of ranks) into this rank's shards."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
@@ -216,8 +220,6 @@ class DataParallel:
         """``value`` summed over ranks (float64 on the wire)."""
         if not self.enabled:
             return value
-        import torch
-        import torch.distributed as dist
 
         t = torch.tensor([float(value)], dtype=torch.float64)
         dist.all_reduce(t)
@@ -227,7 +229,6 @@ class DataParallel:
         """Per key, the sum over ranks; a key missing on a rank counts 0 there."""
         if not self.enabled:
             return dict(values)
-        import torch.distributed as dist
 
         gathered: list[dict[str, float] | None] = [None] * self.world
         dist.all_gather_object(gathered, dict(values))
@@ -242,7 +243,6 @@ class DataParallel:
         every rank."""
         if not self.enabled:
             return tensor
-        import torch.distributed as dist
 
         dist.all_reduce(tensor)
         return tensor
@@ -251,7 +251,6 @@ class DataParallel:
         """Rank ``src``'s ``obj`` on every rank (pickled: only between the ranks of one job)."""
         if not self.enabled:
             return obj
-        import torch.distributed as dist
 
         box = [obj]
         dist.broadcast_object_list(box, src=src)
@@ -259,21 +258,14 @@ class DataParallel:
 
     def barrier(self) -> None:
         if self.enabled:
-            import torch.distributed as dist
-
             dist.barrier()
 
     def close(self) -> None:
-        if self.enabled:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _fsdp_units(model) -> list:
-    from torch.distributed.fsdp import FSDPModule
-
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
@@ -309,10 +301,6 @@ def setup(settings: DistributedSettings, device: str = "cpu") -> DataParallel:
 
 
 def _join(settings: DistributedSettings, device: str, world: int) -> DataParallel:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     cuda = device.startswith("cuda")

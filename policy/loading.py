@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging
+
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -56,8 +60,6 @@ def check_model_dir(model_dir: str | Path) -> Path:
 
 
 def torch_dtype(name: str):
-    import torch
-
     try:
         return getattr(torch, DTYPES[name])
     except KeyError:
@@ -66,14 +68,11 @@ def torch_dtype(name: str):
 
 def quiet_transformers() -> None:
     """Per-load progress bars are noise in service logs and CI output."""
-    from transformers.utils import logging
 
     logging.disable_progress_bar()
 
 
 def load_tokenizer(model_dir: str | Path):
-    from transformers import AutoTokenizer
-
     os.environ["HF_HUB_OFFLINE"] = "1"
     path = check_model_dir(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -83,8 +82,6 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
-    from transformers import AutoModelForCausalLM
-
     os.environ["HF_HUB_OFFLINE"] = "1"
     quiet_transformers()
     path = check_model_dir(model_dir)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from policy.routes import Routes
 from policy.routing import RouteSession, route_session
@@ -200,7 +201,6 @@ def _prefill_cached(model, prompt_ids: list[list[int]], caches: list[RowCache | 
                     device, route_log: _RouteLog | None = None) -> _Batch:
     """Each row's cached prefix (left-padded to a common width) plus its new tokens (left-padded too,
     so every row's last token is in the last column); padding inside a row is masked out."""
-    from transformers import DynamicCache
 
     n_layers = next(c for c in caches if c is not None).keys.__len__()
     lens = [c.length if c is not None else 0 for c in caches]

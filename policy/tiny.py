@@ -19,8 +19,12 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
+
 from policy.config import TinyModelSettings
-from policy.loading import MODEL_BUILD_LOCK
+from policy.loading import MODEL_BUILD_LOCK, quiet_transformers
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
@@ -28,8 +32,6 @@ SPECIAL_TOKENS = [PAD, BOS, EOS]
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int):
     """Byte-level BPE over the corpus, wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -50,8 +52,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
 
 
 def _config(cfg: TinyModelSettings, tokenizer, moe: bool):
-    from transformers import LlamaConfig, Qwen3MoeConfig
-
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -82,10 +82,6 @@ def _config(cfg: TinyModelSettings, tokenizer, moe: bool):
 def build_tiny_model(out_dir: str | Path, cfg: TinyModelSettings, texts: Iterable[str], *, moe: bool = False) -> Path:
     """Write a freshly initialised tiny model + a tokenizer trained on ``texts`` to ``out_dir``
     (``moe``: the mixture-of-experts variant, see the module docstring)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from policy.loading import quiet_transformers
 
     quiet_transformers()
     out = Path(out_dir)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from policy.routes import Routes, geometry_from_config, moe_layers
 
@@ -99,8 +100,6 @@ class _Tap:
         return capture
 
     def forward(self, *args, **kwargs):
-        import torch
-
         self.layers = [None] * len(self.layers)
         out = self._forward(*args, **kwargs)
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)

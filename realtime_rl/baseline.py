@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import sqlalchemy as sa
+import torch
 
+from policy.logprobs import pad_batch
 from realtime_rl.dataset import TrainingExample
 from realtime_rl.release_tables import baselines
 
@@ -128,9 +130,6 @@ def save_bucket_stats(conn: sa.Connection, stats: dict[str, BucketStats]) -> Non
 def value_head_advantages(model, examples: Sequence[TrainingExample], l2: float = 1.0,
                           pad_token_id: int = 0) -> tuple[list[float], list[float]]:
     """Cross-fitted ridge value head on frozen last-prompt-token features (see module docstring)."""
-    import torch
-
-    from policy.logprobs import pad_batch
 
     if len(examples) < 4:
         raise ValueError("the value-head baseline needs at least 4 examples")

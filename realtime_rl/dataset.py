@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import sqlalchemy as sa
+
 from realtime_rl.config import UpdateSettings
 from realtime_rl.ingest_decode import LOGPROB_TOLERANCE
 
@@ -383,7 +385,6 @@ def _with_kept_text(train: list[TrainingExample], cfg: UpdateSettings, stats: Da
 
 def count_orphans(engine, older_than: datetime) -> int:
     """Feedback still waiting in ``pending_feedback`` for a completion since before ``older_than``."""
-    import sqlalchemy as sa
 
     table = sa.Table("pending_feedback", sa.MetaData(), autoload_with=engine)
     q = sa.select(sa.func.count()).select_from(table).where(table.c.first_seen_at < older_than)
@@ -417,7 +418,6 @@ def load_logged(engine, *, since: datetime | None = None, until: datetime | None
                 versions: Sequence[str] | None = None) -> list[LoggedExample]:
     """Read ``training_examples`` rows with ``since < feedback_at <= until`` (reflected, so this reader
     follows the ingester's schema without importing its models)."""
-    import sqlalchemy as sa
 
     table = sa.Table(TABLE, sa.MetaData(), autoload_with=engine)
     q = sa.select(table)

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from realtime_rl.events import CompletionEvent, FeedbackEvent, SamplingRecord
+from realtime_rl.events import CompletionEvent, FeedbackEvent, SamplingRecord, decode_event
 
 _BUCKETS = ("affine", "square", "abs", "max", "min", "mod")
 
@@ -107,8 +107,6 @@ def sample_stream(n_events: int, seed: int = 0, *, versions: tuple[str, ...] = (
 
 
 def _truncate(stream: SampleStream, n: int) -> None:
-    from realtime_rl.events import decode_event
-
     for _, value in stream.messages[n:]:
         event = decode_event(value)
         if isinstance(event, CompletionEvent):

@@ -34,6 +34,7 @@ reply: (kind, detail, the child's CPU seconds so far), kind ``ready``, ``ok`` (w
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import marshal
 import operator
@@ -46,12 +47,24 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from realtime_rl.ingest_writer import WriteResult
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+
+from realtime_rl.ingest_plan import encoded_rows, staged_fields
+from realtime_rl.ingest_writer import (
+    OffsetsMoved,
+    WriteResult,
+    advance,
+    dead_letter_row,
+    write_direct,
+    write_rest,
+)
 
 _HEADER = struct.Struct("<I")
 _SIZE = struct.Struct("<Q")
@@ -84,7 +97,6 @@ class WriterSkipped(RuntimeError):
 def ship(plan, before: dict[tuple[str, int], int], after: dict[tuple[str, int], int]) -> bytes:
     """A staged ``plan`` (``ingest_plan.BatchPlan``) and its offsets as one frame body for the writer.
     Model-version events and dead letters (rare) are pickled whole."""
-    from realtime_rl.ingest_plan import staged_fields
 
     c_fields, c_stamps = staged_fields(plan, "completions")
     f_fields, f_stamps = staged_fields(plan, "feedback")
@@ -143,7 +155,6 @@ class WriterProcess:
         Raises ``OffsetsMoved``, ``WriterRefused``, ``WriterDatabaseUnavailable``, ``WriterFailed`` or
         ``WriterUnavailable``; in every case but the last, the transaction was rolled back. Raises
         ``WriterSkipped`` when the batch was not handed over at all."""
-        from realtime_rl.ingest_writer import OffsetsMoved
 
         if not self.alive:  # gone between batches (nothing in hand): a new one takes this batch
             self.start()
@@ -258,8 +269,6 @@ class _Resolve(Exception):
 def run_batch(engine, group: str, max_raw: int, body: bytes) -> WriteResult | None:
     """One shipped batch in one transaction: the offsets, the rows straight into the tables, the join,
     model versions and dead letters. None (rolled back) when a unique index refused a row."""
-    from realtime_rl.ingest_plan import encoded_rows
-    from realtime_rl.ingest_writer import advance, dead_letter_row, write_direct, write_rest
 
     staging, before, after, c_fields, c_stamps, f_fields, f_stamps, duplicates, rare = marshal.loads(body)
     versions, dead = pickle.loads(rare) if rare else ([], [])
@@ -285,11 +294,6 @@ def run_batch(engine, group: str, max_raw: int, body: bytes) -> WriteResult | No
 
 def _reply(engine, group: str, max_raw: int, body: bytes) -> tuple[str, Any]:
     """``run_batch``'s outcome as a reply: kind and detail."""
-    import traceback
-
-    from sqlalchemy import exc as sa_exc
-
-    from realtime_rl.ingest_writer import OffsetsMoved
 
     try:
         result = run_batch(engine, group, max_raw, body)
@@ -369,7 +373,6 @@ class _Checkpointer:
 
 def _checkpointer(engine, db) -> _Checkpointer | None:
     """A ``_Checkpointer`` for a SQLite file database (the writer's connections then leave checkpoints to it)."""
-    import sqlalchemy as sa
 
     if engine.dialect.name != "sqlite" or not engine.url.database or engine.url.database == ":memory:":
         return None
@@ -383,7 +386,6 @@ def _checkpointer(engine, db) -> _Checkpointer | None:
 
 def main() -> None:
     """The child: read the hello, then batches until end-of-file."""
-    import gc
 
     shared = int(sys.argv[1])
     inp = os.fdopen(os.dup(0), "rb")

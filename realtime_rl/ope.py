@@ -25,9 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from statistics import NormalDist
 
 import numpy as np
+import torch
 
+from policy.logprobs import pad_batch, sequence_logprobs
 from realtime_rl.dataset import TrainingExample
 
 
@@ -68,8 +71,6 @@ def effective_sample_size(w: np.ndarray) -> float:
 
 
 def _z(level: float) -> float:
-    from statistics import NormalDist
-
     return NormalDist().inv_cdf(0.5 + level / 2)
 
 
@@ -138,9 +139,6 @@ def accept_rate_ci(accepts: Sequence[bool], level: float = 0.95) -> tuple[float,
 
 def _tempered_logprobs(model, prompts, completions, temperatures, pad_token_id: int = 0):
     """Teacher-forced log-probs under softmax(logits / T_i) (T per row)."""
-    import torch
-
-    from policy.logprobs import pad_batch
 
     ids, attn, pos, cmask, P = pad_batch(prompts, completions, pad_token_id)
     dev = next(model.parameters()).device
@@ -157,7 +155,6 @@ def _tempered_logprobs(model, prompts, completions, temperatures, pad_token_id: 
 def candidate_log_weights(model, examples: Sequence[TrainingExample], behaviour: str = "raw",
                           batch_size: int = 64, pad_token_id: int = 0) -> list[float]:
     """log w_i = log π(y_i|x_i) − log μ(y_i|x_i), summed over the completion's tokens."""
-    from policy.logprobs import sequence_logprobs
 
     out: list[float] = []
     for i in range(0, len(examples), batch_size):

@@ -32,8 +32,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from offline_rl.evaluate import evaluate
+from offline_rl.tasks import generate_tasks, load_tasks_jsonl
 from policy.registry import Registry
+from realtime_rl.baseline import save_bucket_stats
+from realtime_rl.bus import BusUnavailable
 from realtime_rl.dataset import TrainingExample
+from realtime_rl.events import ModelVersionEvent
+from realtime_rl.ope import accept_rate_ci, candidate_log_weights, estimate
 from realtime_rl.release_tables import releases, update_runs
 
 # --------------------------------------------------------------------------------------------------
@@ -98,7 +104,6 @@ class GateReport:
 def evaluate_gate(settings, *, candidate_model, production_model, heldout: Sequence[TrainingExample],
                   production: str, evaluator: Callable[[Any], float], pad_token_id: int = 0) -> GateReport:
     """Run both gate checks; never raises on a failing candidate, only reports."""
-    from realtime_rl.ope import accept_rate_ci, candidate_log_weights, estimate
 
     g = settings.release
     reasons: list[str] = []
@@ -163,7 +168,6 @@ def last_run(conn: sa.Connection, statuses: Sequence[str]) -> dict[str, Any] | N
 def write_record(engine: sa.Engine, run: dict[str, Any], release: dict[str, Any] | None,
                  baseline_stats=None) -> None:
     """The run row, its release row and the new baseline: one transaction."""
-    from realtime_rl.baseline import save_bucket_stats
 
     with engine.begin() as conn:
         conn.execute(sa.insert(update_runs).values(**run))
@@ -195,9 +199,6 @@ def jsonable(d: dict[str, Any]) -> dict[str, Any]:
 
 def emit_version_event(producer, settings, *, version: str, parent: str | None, action: str, channel: str | None,
           metrics: dict[str, float], log) -> None:
-    from realtime_rl.bus import BusUnavailable
-    from realtime_rl.events import ModelVersionEvent
-
     ev = ModelVersionEvent(model=settings.model.name, version=version, parent=parent, action=action,
                            channel=channel, metrics={k: float(v) for k, v in metrics.items()
                                                      if isinstance(v, int | float)})
@@ -210,8 +211,6 @@ def emit_version_event(producer, settings, *, version: str, parent: str | None, 
 
 
 def heldout_tasks(settings) -> list:
-    from offline_rl.tasks import generate_tasks, load_tasks_jsonl
-
     if settings.tasks.jsonl:
         tasks = [t for t in load_tasks_jsonl(settings.tasks.jsonl) if t.task_id.startswith("heldout")]
     else:
@@ -223,7 +222,6 @@ def heldout_tasks(settings) -> list:
 def default_evaluator(settings, tokenizer) -> Callable[[Any], float]:
     """Held-out pass@1 by the offline stage's evaluator (hidden tests in its sandbox); candidate and
     production are scored on the same tasks with the same seed and sampling settings."""
-    from offline_rl.evaluate import evaluate
 
     tasks = heldout_tasks(settings)
     g = settings.release

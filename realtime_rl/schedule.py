@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from datetime import UTC, datetime
+
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.blocking import BlockingScheduler
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+
+from realtime_rl.cycle import run_update_cycle
 
 INTERVAL = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
 
 def parse_trigger(spec: str):
     """An APScheduler trigger for an interval or a cron expression; ValueError names the problem."""
-    from apscheduler.triggers.cron import CronTrigger
-    from apscheduler.triggers.interval import IntervalTrigger
 
     s = spec.strip()
     m = INTERVAL.match(s.replace(" ", ""))
@@ -38,10 +44,6 @@ def parse_trigger(spec: str):
 
 def build_scheduler(settings, job: Callable[[], object], *, blocking: bool = True):
     """A scheduler with the update job registered (not started)."""
-    from datetime import UTC, datetime
-
-    from apscheduler.schedulers.background import BackgroundScheduler
-    from apscheduler.schedulers.blocking import BlockingScheduler
 
     cls = BlockingScheduler if blocking else BackgroundScheduler
     sched = cls(timezone="UTC")
@@ -55,7 +57,6 @@ def build_scheduler(settings, job: Callable[[], object], *, blocking: bool = Tru
 
 def scheduled_cycle(settings, log: Callable[[str], None] = print) -> Callable[[], object]:
     """The job: one update cycle; an exception is logged, never kills the scheduler."""
-    from realtime_rl.cycle import run_update_cycle
 
     def job():
         try:

@@ -20,11 +20,15 @@ from __future__ import annotations
 import ast
 import math
 import random
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import httpx
+from openai import OpenAI
 
 from offline_rl.tasks import Task
 
@@ -333,10 +337,6 @@ def run_traffic(base_url: str, users: Sequence[SimUser], tasks: Sequence[Task], 
     Feedback owed from earlier chunks (``backlog``) goes out first; a user's late feedback is put in
     ``backlog`` for a later chunk (without a backlog it is sent at once). ``start`` is this chunk's
     first request number on the day (see :func:`plan_traffic`)."""
-    import threading
-
-    import httpx
-    from openai import OpenAI
 
     plan = plan_traffic(users, tasks, n_requests, seed, start=start, day_length=day_length, shift=shift)
     stats = TrafficStats()

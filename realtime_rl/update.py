@@ -62,14 +62,19 @@ import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
+
 from policy.distributed import DataParallel
+from policy.logprobs import sequence_logprobs
+from policy.losses import masked_mean, mismatch_metrics, reinforce_loss, replay_metrics
+from policy.routes import Routes
+from policy.routing import RouteStats
+from realtime_rl.baseline import bucket_mean_advantages, caller_centred, value_head_advantages
 from realtime_rl.config import UpdateSettings
 from realtime_rl.dataset import TrainingExample
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int):
-    import torch
-
     out = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.tensor(list(r), dtype=torch.float32)
@@ -87,11 +92,6 @@ def _reference_pass(model, prompts, comps, routes, examples, served: list[bool],
     """The serving version's log-probs of every example (before any step), and the train/inference
     mismatch metrics over the served completions' tokens (kept texts have no logged log-probs; router
     replay's both ways when routes were logged)."""
-    import torch
-
-    from policy.logprobs import sequence_logprobs
-    from policy.losses import mismatch_metrics, replay_metrics
-    from policy.routing import RouteStats
 
     replay = cfg.router_replay == "replay"
     ref_all: list[list[float]] = []
@@ -129,11 +129,6 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
     With ``dp`` (several ranks, ``model`` sharded by ``dp.shard``) every rank holds every example and
     computes the gradient of its rows of each minibatch (policy/distributed.py); the minibatches,
     the metrics and the early stop are those of one process."""
-    import torch
-
-    from policy.logprobs import sequence_logprobs
-    from policy.losses import masked_mean
-    from policy.routes import Routes
 
     dp = dp or DataParallel()
     if len(examples) != len(advantages):
@@ -245,9 +240,6 @@ def _mixed_loss(tl, mu, adv, ref, served_rows: list[bool], cfg: UpdateSettings, 
     completions) still bounds how far the update moves the policy. ``kept_prefix[i]`` leading tokens
     of row i are left out (an edit's unchanged beginning). Returns ``(loss, metrics, tokens)``, tokens
     being the count both parts average over (a data-parallel rank weights its loss by its share)."""
-    import torch
-
-    from policy.losses import reinforce_loss
 
     rows = torch.tensor(served_rows, device=tl.mask.device).unsqueeze(1)
     # An edited completion is penalised from the first token its user changed on (credit assignment).
@@ -271,7 +263,6 @@ def compute_advantages(examples: Sequence[TrainingExample], cfg: UpdateSettings,
     """(advantages, baselines): the value head, or the bucket mean with the caller-centred term
     (:func:`realtime_rl.baseline.caller_centred`; without it when ``caller_baseline_prior`` is 0). The
     balance weights are applied in the loss."""
-    from realtime_rl.baseline import bucket_mean_advantages, caller_centred, value_head_advantages
 
     if cfg.baseline == "value_head":
         if model is None:

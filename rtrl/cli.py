@@ -41,7 +41,7 @@ config_app = typer.Typer(help="Inspect the effective settings (rtrl.toml + RTRL_
 app.add_typer(config_app, name="config")
 
 # Packages whose `cli.register(app)` adds commands; a package not yet present is simply absent.
-COMMAND_MODULES = ["policy.model_cli", "policy.cli", "offline_rl.cli", "serving.cli", "realtime_rl.cli", "realtime_rl.release_cli", "rtrl.bench", "rtrl.demo"]
+COMMAND_MODULES = ["policy.model_cli", "policy.cli", "offline_rl.cli", "serving.cli", "realtime_rl.cli", "realtime_rl.release_cli", "rtrl.bench", "rtrl.demo_cli"]
 
 
 @config_app.command("show")

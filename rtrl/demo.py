@@ -21,8 +21,10 @@ This module only orchestrates: every computation happens in the package that own
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,11 +35,34 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import typer
+import torch
+from tqdm import tqdm
 
-from policy.cli_settings import settings_or_exit
+from offline_rl.corpus import build_default_model
+from offline_rl.grpo import run_grpo
+from offline_rl.midtrain import run_midtrain
+from offline_rl.presets import apply_preset
+from offline_rl.tasks import generate_tasks
+from policy.registry import Registry
+from realtime_rl.analytics import accept_rate_by_group, accept_rate_by_version
+from realtime_rl.database import make_engine
+from realtime_rl.ingest import Ingester
+from realtime_rl.release import list_releases, list_runs
+from realtime_rl.schedule import build_scheduler, scheduled_cycle
+from realtime_rl.schema import ensure_schema
+from realtime_rl.simusers import FeedbackBacklog, build_population, register_keys, run_traffic
 from rtrl.config import Settings
+from rtrl.report import (
+    ReportData,
+    VersionRow,
+    online_summary,
+    print_summary,
+    summarise_mismatch,
+    write_report,
+    write_summary,
+)
 from serving.auth import issue_key
+from serving.server import GatewayServer
 
 STAGES = ("model", "midtrain", "grpo", "online", "report")
 
@@ -97,7 +122,6 @@ class DemoState:
 
 def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
     """The user's settings with the demo's schedule (minutes, not hours) and the offline preset."""
-    from offline_rl.presets import apply_preset
 
     s = apply_preset(settings.model_copy(deep=True), plan.offline_preset)
     s.schedule = s.schedule.model_copy(update={"update_interval": plan.update_interval,
@@ -115,8 +139,6 @@ def _has_model(path: str | Path) -> bool:
 
 
 def stage_model(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
-    from offline_rl.corpus import build_default_model
-
     if _has_model(s.model.dir):
         log(f"model: using {s.model.dir}")
     else:
@@ -126,15 +148,11 @@ def stage_model(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
 
 
 def stage_midtrain(s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
-    from offline_rl.midtrain import run_midtrain
-
     out = run_midtrain(s, init_dir=s.model.dir, progress=True, log=log)
     return {"dir": str(out)}
 
 
 def stage_grpo(s: Settings, log: Callable[[str], None], init_dir: str) -> dict[str, Any]:
-    from offline_rl.grpo import run_grpo
-
     result = run_grpo(s, init_dir, progress=True, log=log)
     summary = result.summary()
     summary["evals"] = result.evals
@@ -166,8 +184,6 @@ class _Traffic(threading.Thread):
         self.error_samples: list[str] = []
 
     def run(self) -> None:
-        from realtime_rl.simusers import FeedbackBacklog, run_traffic
-
         k = 0
         su = self.s.simusers
         backlog = FeedbackBacklog(max_delay_chunks=su.max_delay_chunks)
@@ -196,8 +212,6 @@ def _as_utc(value) -> datetime:
 
 
 def _released_since(engine, since_iso: str) -> list[dict[str, Any]]:
-    from realtime_rl.release import list_releases
-
     since = _as_utc(since_iso)
     return [r for r in reversed(list_releases(engine, limit=500))
             if r["decision"] == "released" and _as_utc(r["created_at"]) >= since]
@@ -223,8 +237,6 @@ class _SwapLag:
         self.since = self.since or now
         if now - self.since < self.limit_s or production in self.reported:
             return
-        import faulthandler
-        import sys
 
         self.reported.add(production)
         watcher = self.gateway.watcher
@@ -236,17 +248,6 @@ class _SwapLag:
 
 def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], started: str,
                  state: DemoState) -> dict[str, Any]:
-    from tqdm import tqdm
-
-    from offline_rl.tasks import generate_tasks
-    from policy.registry import Registry
-    from realtime_rl.database import make_engine
-    from realtime_rl.ingest import Ingester
-    from realtime_rl.schedule import build_scheduler, scheduled_cycle
-    from realtime_rl.schema import ensure_schema
-    from realtime_rl.simusers import build_population, register_keys
-    from serving.server import GatewayServer
-
     ensure_schema(s.db)
     engine = make_engine(s.db)
     registry = Registry.from_settings(s.registry)
@@ -344,12 +345,6 @@ def stage_online(s: Settings, plan: DemoPlan, log: Callable[[str], None], starte
 
 
 def gather_report(s: Settings, state: DemoState):
-    from policy.registry import Registry
-    from realtime_rl.analytics import accept_rate_by_group, accept_rate_by_version
-    from realtime_rl.database import make_engine
-    from realtime_rl.release import list_releases, list_runs
-    from rtrl.report import ReportData, VersionRow, summarise_mismatch
-
     grpo = state.done("grpo") or {}
     online = state.done("online") or {}
     data = ReportData(gate=s.eval.gate_threshold, pass_before=grpo.get("pass_at_1_before"),
@@ -422,9 +417,6 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
              summary_to_stderr: bool = False) -> dict[str, Any]:
     """Run (or resume) the lifecycle; returns the summary that ``--json`` prints. ``releases``: end the
     online stage after this many real-time releases instead of the plan's."""
-    import torch
-
-    from rtrl.report import online_summary, print_summary, write_report, write_summary
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     plan = DemoPlan.for_mode(fast)
@@ -445,8 +437,6 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
         state.reset_from("report")
     state.data["fast"] = fast
     if from_production and state.done("grpo") is None:
-        from policy.registry import Registry
-
         production = Registry.from_settings(s.registry).channel("production")
         if production is None:
             raise DemoError(f"--from-production: the registry {s.registry.url} has no production version")
@@ -507,33 +497,3 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
     }
     log(f"report: {index}")
     return summary
-
-
-def register(app: typer.Typer) -> None:
-    @app.command("demo")
-    def demo(
-        ctx: typer.Context,
-        fast: bool = typer.Option(False, "--fast", help="The reduced CI path: the offline stage on the single-turn "
-                                  "function tasks (the 'functions' preset, minutes instead of the agent "
-                                  "environment's tens of minutes), 2 real-time releases instead of 3."),
-        restart: bool = typer.Option(False, "--restart", help="Forget finished stages and start over "
-                                     "(var/ contents are reused where they are valid)."),
-        from_production: bool = typer.Option(False, "--from-production", help="Skip the offline stages: start "
-                                             "the online stage from the registry's production version."),
-        releases: int | None = typer.Option(None, "--releases", min=1, help="End the online stage after this "
-                                            "many real-time releases (default: 2 with --fast, else 3)."),
-        as_json: bool = typer.Option(False, "--json", help="End with one JSON line summarising the run."),
-        config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
-    ) -> None:
-        """Run the whole lifecycle: tiny model → mid-train → GRPO to the gate → serve → simulated users →
-        real-time releases → report (var/report/index.html). Interrupt and rerun to resume."""
-
-        settings = settings_or_exit(ctx, config)
-        try:
-            summary = run_demo(settings, fast=fast, restart=restart, from_production=from_production,
-                               releases=releases, log=lambda m: typer.echo(m, err=as_json), summary_to_stderr=as_json)
-        except DemoError as err:
-            typer.echo(f"demo stopped: {err}", err=True)
-            raise typer.Exit(1) from None
-        if as_json:
-            typer.echo(json.dumps(summary, default=str))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
+import random
 import shutil
 import socket
 import stat
@@ -22,6 +24,9 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
+import sqlalchemy as sa
 
 DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
@@ -102,7 +107,6 @@ def _spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Pop
 
 def _free_port_pair() -> int:
     """A free port p below 55536 whose p + 10000 is free too (SeaweedFS puts each server's gRPC there)."""
-    import random
 
     for _ in range(200):
         port = random.randrange(20000, 55000)
@@ -140,7 +144,6 @@ class ObjectStore:
 def start_object_store(data_dir: Path, bucket: str = "tansu", timeout_s: float = 60.0) -> ObjectStore:
     """SeaweedFS (master, volume, filer and S3 gateway in one process) keeping its data in ``data_dir``,
     every port on loopback; returns once ``bucket`` exists."""
-    import httpx
 
     weed = shutil.which("weed")
     if weed is None:
@@ -203,7 +206,6 @@ def _as_postgres_user() -> dict:
     """PostgreSQL refuses to run as root: as root, run its tools as the ``postgres`` system user."""
     if os.geteuid() != 0:
         return {}
-    import pwd
 
     try:
         pw = pwd.getpwnam("postgres")
@@ -264,8 +266,6 @@ def start_tansu_proxy(origin_bootstrap: str, port: int | None = None) -> TansuPr
 
 
 def postgres_reachable(admin_url: str = DEFAULT_PG_ADMIN_URL) -> bool:
-    import sqlalchemy as sa
-
     try:
         engine = sa.create_engine(admin_url, connect_args={"connect_timeout": 2})
         with engine.connect() as conn:
@@ -298,7 +298,6 @@ def ensure_postgres(admin_url: str = DEFAULT_PG_ADMIN_URL) -> None:
 @contextlib.contextmanager
 def temporary_postgres_database(admin_url: str = DEFAULT_PG_ADMIN_URL, prefix: str = "rtrl_test") -> Iterator[str]:
     """Create a fresh database, yield its SQLAlchemy URL, drop it afterwards."""
-    import sqlalchemy as sa
 
     ensure_postgres(admin_url)
     name = f"{prefix}_{uuid.uuid4().hex[:10]}"

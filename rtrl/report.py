@@ -11,6 +11,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 
 @dataclass
 class VersionRow:
@@ -291,9 +294,6 @@ def _online_tables(data: ReportData) -> str:
 
 
 def print_summary(data: ReportData, stderr: bool = False) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="rtrl lifecycle summary")
     for col in ("version", "stage", "released", "offline pass@1", "accept rate", "95% CI", "feedback", "OPE"):
         table.add_column(col)

@@ -36,8 +36,9 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from realtime_rl.bus import open_producer
 from realtime_rl.bus.base import BusProducer, BusUnavailable
-from realtime_rl.events import CompletionEvent, FeedbackEvent
+from realtime_rl.events import CompletionEvent, FeedbackEvent, decode_event
 
 log = logging.getLogger("serving.emitter")
 
@@ -47,8 +48,6 @@ Item = tuple[bytes, bytes]  # (key, wire bytes)
 
 def default_producer_factory(bus_settings) -> Callable[[], BusProducer]:
     def factory() -> BusProducer:
-        from realtime_rl.bus import open_producer
-
         return open_producer(bus_settings)
 
     return factory
@@ -86,7 +85,6 @@ def _read(path: Path) -> bytes:
 
 def _read_lines(path: Path) -> tuple[list[Item], int]:
     """The events of a spill file as (key, value) items, and the number of damaged lines skipped."""
-    from realtime_rl.events import decode_event
 
     lines = _read(path).split(b"\n")
     items, corrupt = [], 0

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from pathlib import Path
 
 from serving.auth import KeyStore
 from serving.emitter import EventEmitter, default_producer_factory
+from serving.engines import create_engine
 from serving.engines.base import CANDIDATE, PRODUCTION
 from serving.feedback_tokens import FeedbackTokens
 from serving.metrics import GatewayMetrics
@@ -37,8 +39,6 @@ def canary_bucket(key_id: str) -> float:
 
 class Gateway:
     def __init__(self, settings, *, engine=None, source=None, producer_factory=None) -> None:
-        from serving.engines import create_engine
-
         s = settings.serving
         if s.feedback_secret.get_secret_value() == DEFAULT_SECRET:
             if s.host not in LOOPBACK:
@@ -78,8 +78,6 @@ class Gateway:
     def start(self) -> None:
         """Load the production version (blocking), then start the watcher and the event sender."""
         if self.settings.serving.gil_switch_interval_ms > 0:
-            import sys
-
             sys.setswitchinterval(self.settings.serving.gil_switch_interval_ms / 1000)
         self.emitter.start()
         try:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import Future
+
+import uvicorn
 
 from serving.app import create_app
 from serving.gateway import Gateway
@@ -20,7 +24,6 @@ log = logging.getLogger("serving.server")
 def uvicorn_options() -> dict:
     """httptools and uvloop when installed (they are dependencies): the C HTTP parser and event loop cut
     per-request server time; uvicorn's pure-Python h11 / asyncio remain the fallback."""
-    import importlib.util
 
     opts = {}
     if importlib.util.find_spec("httptools") is not None:
@@ -31,8 +34,6 @@ def uvicorn_options() -> dict:
 
 
 def _free_port(host: str) -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -54,8 +55,6 @@ class GatewayServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 120.0) -> GatewayServer:
-        import uvicorn
-
         if not self.gateway.started:
             self.gateway.start()
         app = create_app(self.settings, self.gateway)
@@ -121,7 +120,6 @@ def start_server(server, loop: asyncio.AbstractEventLoop | None = None) -> Futur
 
 def serve_forever(settings) -> None:
     """Blocking server for `rtrl serve` (Ctrl-C / SIGTERM stops it, flushing events)."""
-    import uvicorn
 
     s = settings.serving
     gateway = Gateway(settings)

@@ -23,6 +23,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from policy.registry import Registry
+from realtime_rl.bus import BusUnavailable, open_consumer
+from realtime_rl.events import ModelVersionEvent, decode_event
+
 log = logging.getLogger("serving.versions")
 
 MANIFEST_NAMES = ("rtrl_version.json", "manifest.json")
@@ -100,8 +104,6 @@ class RegistrySource:
     """The registry's channels (``policy.registry``); versions are materialised to local directories."""
 
     def __init__(self, settings) -> None:
-        from policy.registry import Registry  # imported lazily: only this source needs the registry
-
         self._registry = Registry.from_settings(settings.registry)
 
     def current(self, channel: str) -> VersionRef | None:
@@ -222,9 +224,6 @@ class VersionEventFollower:
             self._thread.join(timeout=15)
 
     def _loop(self) -> None:
-        from realtime_rl.bus import BusUnavailable, open_consumer
-        from realtime_rl.events import ModelVersionEvent, decode_event
-
         topic = self.bus_settings.versions_topic
         consumer = None
         while not self._stop.is_set():

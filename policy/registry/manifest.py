@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from policy.registry.errors import CorruptVersion
+from policy.registry.tensors import WIDTH
 
 FORMAT = "rtrl-registry/1"
 ID_HEX = 12
@@ -42,8 +43,6 @@ class TensorEntry(_Model):
 
     @property
     def nbytes(self) -> int:
-        from policy.registry.tensors import WIDTH
-
         n = 1
         for s in self.shape:
             n *= s

@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+import fsspec
+
 from policy.registry.shards import read_file_writable
 
 MANIFEST = "manifest.json"
@@ -284,8 +286,6 @@ class FsspecStore:
     """A registry on any fsspec filesystem (``s3://bucket/prefix``, ``memory://x``, ``gs://``...)."""
 
     def __init__(self, url: str) -> None:
-        import fsspec
-
         self.url = url
         self.fs, root = fsspec.core.url_to_fs(url)
         self.root = root.rstrip("/")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from policy.registry.errors import PublishError
 
@@ -47,8 +48,6 @@ INT: dict[int, np.dtype] = {1: np.dtype(np.int8), 2: np.dtype(np.int16), 4: np.d
 
 
 def _torch_tables():
-    import torch
-
     to_name = {getattr(torch, attr): name for name, (attr, _) in DTYPE_SPECS.items() if hasattr(torch, attr)}
     # torch lacks unsigned 16/32/64 views on some versions: view through the signed type instead
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import TypeVar
 
+from tqdm import tqdm
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -25,8 +27,6 @@ def pmap(fn: Callable[[T], R], items: Sequence[T], workers: int, *, desc: str | 
     """``[fn(x) for x in items]`` on ``workers`` threads, in order; the first exception is raised."""
     bar = None
     if progress and items:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(items), desc=desc, unit="item", leave=False)
     try:
         if workers <= 1 or len(items) <= 1:

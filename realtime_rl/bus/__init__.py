@@ -7,6 +7,8 @@ Both partition keyed messages the same way, so ordering per completion id is the
 from __future__ import annotations
 
 from realtime_rl.bus.base import BusConsumer, BusProducer, BusUnavailable, Record
+from realtime_rl.bus.embedded import EmbeddedConsumer, EmbeddedProducer
+from realtime_rl.bus.kafka_bus import KafkaBusConsumer, KafkaBusProducer
 from realtime_rl.config import BusSettings
 
 __all__ = ["BusConsumer", "BusProducer", "BusUnavailable", "Record", "open_consumer", "open_producer"]
@@ -15,10 +17,7 @@ __all__ = ["BusConsumer", "BusProducer", "BusUnavailable", "Record", "open_consu
 def open_producer(bus_settings: BusSettings) -> BusProducer:
     """A producer for the configured backend (Kafka connects lazily, on the first send)."""
     if bus_settings.backend == "kafka":
-        from realtime_rl.bus.kafka_bus import KafkaBusProducer
-
         return KafkaBusProducer(bus_settings)
-    from realtime_rl.bus.embedded import EmbeddedProducer
 
     return EmbeddedProducer(bus_settings)
 
@@ -26,9 +25,6 @@ def open_producer(bus_settings: BusSettings) -> BusProducer:
 def open_consumer(bus_settings: BusSettings, group: str) -> BusConsumer:
     """A consumer with manual positions; ``group`` names it (Kafka group id; the ingester's offset key)."""
     if bus_settings.backend == "kafka":
-        from realtime_rl.bus.kafka_bus import KafkaBusConsumer
-
         return KafkaBusConsumer(bus_settings, group)
-    from realtime_rl.bus.embedded import EmbeddedConsumer
 
     return EmbeddedConsumer(bus_settings, group)

@@ -3,16 +3,15 @@
 
 from __future__ import annotations
 
+from serving.engines.torch_engine import TorchEngine
+from serving.engines.torch_process import ProcessTorchEngine
+from serving.engines.vllm_engine import VLLMEngine
+
 
 def create_engine(settings, metrics=None):
     if settings.serving.engine == "vllm":
-        from serving.engines.vllm_engine import VLLMEngine
-
         return VLLMEngine(settings, metrics)
     if settings.serving.engine_process:
-        from serving.engines.torch_process import ProcessTorchEngine
-
         return ProcessTorchEngine(settings, metrics)
-    from serving.engines.torch_engine import TorchEngine
 
     return TorchEngine(settings, metrics)

@@ -17,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from policy.loading import load_model, load_tokenizer
 from policy.sampling import Sample, SamplingParams
 from serving.engines.base import Engine
 from serving.engines.torch_worker import generate_batch
@@ -33,15 +36,12 @@ class TorchEngine(Engine):
     name = "torch"
 
     def __init__(self, settings, metrics=None) -> None:
-        import torch
-
         torch.set_num_threads(settings.model.threads)
         self._vocab_size: int | None = None
         super().__init__(settings, metrics)
 
     def _adopt(self, ref: VersionRef, vocab_size: int, context_len: int | None) -> None:
         """The first version brings the tokenizer the gateway encodes with; later ones must share its vocabulary."""
-        from policy.loading import load_tokenizer
 
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(ref.model_dir)
@@ -53,8 +53,6 @@ class TorchEngine(Engine):
 
     # -- hooks -----------------------------------------------------------------------------------------
     def _prepare(self, ref: VersionRef, channel: str) -> Any:
-        from policy.loading import load_model
-
         m = self.settings.model
         model = load_model(ref.model_dir, m.dtype, m.device)
         self._adopt(ref, model.config.vocab_size, getattr(model.config, "max_position_embeddings", None))

@@ -43,6 +43,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from policy.sampling import SamplingParams
+from serving.engines import torch_worker
 from serving.engines.base import (
     PRODUCTION,
     Batch,
@@ -130,8 +131,6 @@ class ProcessTorchEngine(TorchEngine):
     def _spawn_child(self):
         """A new engine process and the parent's ends of its two pipes: (process, gen, ctl)."""
         import multiprocessing
-
-        from serving.engines import torch_worker
 
         # spawn, not fork: this process runs threads (server, emitter, watcher) that fork would clone
         # mid-state.

@@ -28,6 +28,11 @@ import threading
 import traceback
 from typing import Any
 
+import torch
+
+from policy.loading import load_model, load_tokenizer
+from policy.sampling import generate_ids
+
 
 def _portable(err: BaseException) -> BaseException:
     """The error itself when it survives pickling, else a RuntimeError that says what it was."""
@@ -41,7 +46,6 @@ def _portable(err: BaseException) -> BaseException:
 def generate_batch(model, tok, rows, params, *, on_step=None, on_finish=None):
     """One batched ``generate_ids`` call with the tokenizer's special ids and text decoding: the same
     call in the engine process and in the batcher thread (``engine_process = false``)."""
-    from policy.sampling import generate_ids
 
     return generate_ids(model, rows, params, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                         decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
@@ -52,9 +56,6 @@ def main(gen_conn, ctl_conn, threads: int, dtype: str, device: str) -> None:
     # The parent owns shutdown (it flushes events first): a Ctrl-C to the process group must not
     # kill the generator under batches in flight.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import torch
-
-    from policy.loading import load_model, load_tokenizer
 
     torch.set_num_threads(threads)
     models: dict[int, Any] = {}

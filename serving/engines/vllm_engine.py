@@ -52,11 +52,16 @@ which replaces ``torch.set_num_threads`` and seeds globally; run this engine in 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from safetensors.torch import load_file
+
 from policy import vllm_moe
+from policy.loading import load_tokenizer
 from policy.sampling import FINISH_LENGTH, FINISH_STOP, Sample, SamplingParams
 from serving.engines.base import Engine
 from serving.versions import VersionRef
@@ -89,10 +94,6 @@ class VLLMHandle:
 
 
 def read_state_dict(model_dir) -> dict:
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
     tensors: dict = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         tensors.update(load_file(f))
@@ -128,8 +129,6 @@ class VLLMEngine(Engine):
         return self._llms.get("production")
 
     def _prepare(self, ref: VersionRef, channel: str) -> Any:
-        import json
-
         vocab = json.loads((ref.model_dir / "config.json").read_text()).get("vocab_size")
         if self._vocab is not None and vocab != self._vocab:
             raise ValueError(f"version {ref.version} has vocabulary {vocab}, the served tokenizer "
@@ -156,11 +155,7 @@ class VLLMEngine(Engine):
         return int(vllm_moe.model_config(ref.model_dir).get("max_position_embeddings") or 32768)
 
     def _start_llm(self, ref: VersionRef):
-        import json
-
         from vllm import LLM
-
-        from policy.loading import load_tokenizer
 
         s, m = self.settings.serving, self.settings.model
         cfg = json.loads((ref.model_dir / "config.json").read_text())
