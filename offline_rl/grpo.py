@@ -176,24 +176,43 @@ class GRPOTrainer:
         c = self.cfg
         return c.lr * lr_factor(step, c.steps, c.warmup_steps, c.min_lr_ratio, c.schedule)
 
-    def train_on(self, trajs, staleness: int = 0) -> dict:
-        c = self.cfg
-        G = c.group_size
+    def _rows_and_advantages(self, trajs) -> tuple[list, list[float], dict]:
+        """The rows to train on and each one's group-relative advantage. One row per context: an episode
+        without a budget is one row; a summarised one has a row per segment, each credited with the
+        episode's advantage (summary tokens included). Groups whose rewards are all equal carry no signal."""
+        G = self.cfg.group_size
         n_groups = len(trajs) // G
         rewards = torch.tensor([t.reward for t in trajs[:n_groups * G]], dtype=torch.float32).view(n_groups, G)
         zero = zero_variance_groups(rewards)
-        adv_all = group_advantages(rewards, c.scale_by_std)
-        keep = [g for g in range(n_groups) if not bool(zero[g])]
-        m: dict = {"zero_variance_groups": int(zero.sum()), "groups": n_groups}
-        # One row per context: an episode without a budget is one row; a summarised one has a row per
-        # segment, each credited with the episode's advantage (summary tokens included).
+        adv_all = group_advantages(rewards, self.cfg.scale_by_std)
         sel, adv_rows = [], []
-        for g in keep:
+        for g in range(n_groups):
+            if bool(zero[g]):
+                continue
             for j in range(G):
                 for row in trajs[g * G + j].rows():
                     if row.completion_ids:
                         sel.append(row)
                         adv_rows.append(float(adv_all[g, j]))
+        return sel, adv_rows, {"zero_variance_groups": int(zero.sum()), "groups": n_groups}
+
+    def _no_grad_logprobs(self, model, prompts, comps, routes, chunks, width: int, *, entropy: bool,
+                          replay: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs (and entropies) of every row under ``model``, micro-batch by micro-batch."""
+        logp = torch.zeros((len(prompts), width), device=self.device)
+        ent = torch.zeros((len(prompts), width), device=self.device) if entropy else None
+        for ch in chunks:
+            tl = sequence_logprobs(model, [prompts[i] for i in ch], [comps[i] for i in ch], with_entropy=entropy,
+                                   pad_token_id=self.tokenizer.pad_token_id, routes=_take(routes, ch),
+                                   replay=replay)
+            logp[ch, :tl.logprobs.shape[1]] = tl.logprobs
+            if ent is not None:
+                ent[ch, :tl.entropy.shape[1]] = tl.entropy
+        return logp, ent
+
+    def train_on(self, trajs, staleness: int = 0) -> dict:
+        c = self.cfg
+        sel, adv_rows, m = self._rows_and_advantages(trajs)
         if not sel:
             m.update({"updated": False, "lr": self.lr_at(self.step)})
             self.step += 1
@@ -228,20 +247,12 @@ class GRPOTrainer:
         old = tis = ref = None
         if not fused:
             self.dp.gather(self.model)  # every rank recomputes every row: no-grad passes on gathered weights
-            old = torch.zeros((len(sel), width), device=self.device)
-            ent = torch.zeros((len(sel), width), device=self.device)
-            for ch in chunks:
-                tl = sequence_logprobs(self.model, [prompts[i] for i in ch], [comps[i] for i in ch],
-                                       with_entropy=True, pad_token_id=pad_id, routes=_take(routes, ch),
-                                       replay=self.replay)
-                old[ch, :tl.logprobs.shape[1]] = tl.logprobs
-                ent[ch, :tl.entropy.shape[1]] = tl.entropy
+            old, ent = self._no_grad_logprobs(self.model, prompts, comps, routes, chunks, width, entropy=True,
+                                              replay=self.replay)
             tis = truncated_importance_weight(old, behaviour, c.tis_cap)
         if self.ref is not None:
-            ref = torch.zeros((len(sel), width), device=self.device)
-            for ch in chunks:
-                rl = sequence_logprobs(self.ref, [prompts[i] for i in ch], [comps[i] for i in ch], pad_token_id=pad_id)
-                ref[ch, :rl.logprobs.shape[1]] = rl.logprobs
+            ref, _ = self._no_grad_logprobs(self.ref, prompts, comps, None, chunks, width, entropy=False,
+                                            replay=False)
         lr = self.lr_at(self.step)
         for group in self.opt.param_groups:
             group["lr"] = lr

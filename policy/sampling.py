@@ -271,17 +271,12 @@ def generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams
                              caches, None if session is None else _RouteLog(session, len(prompt_ids)))
 
 
-def _generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams], eos_token_id: int | None,
-                  pad_token_id: int, decode, on_step: Callable[[list[int], list[int]], None] | None,
-                  on_finish: Callable[[int, Sample], None] | None, caches: list[RowCache | None] | None,
-                  route_log: _RouteLog | None) -> list[Sample]:
+def _check_rows(model, prompt_ids: list[list[int]], params: list[SamplingParams],
+                caches: list[RowCache | None] | None) -> None:
     if len(prompt_ids) != len(params):
         raise ValueError("one SamplingParams per prompt row")
     if caches is not None and len(caches) != len(prompt_ids):
         raise ValueError("one cache entry per prompt row")
-    if not prompt_ids:
-        return []
-    device = next(model.parameters()).device
     max_ctx = getattr(model.config, "max_position_embeddings", None)
     for ids, p in zip(prompt_ids, params, strict=True):
         if not ids:
@@ -289,6 +284,38 @@ def _generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParam
         if max_ctx is not None and len(ids) + p.max_new_tokens > max_ctx:
             raise ContextTooLong(f"prompt of {len(ids)} tokens + max_tokens {p.max_new_tokens} exceeds the "
                                  f"model context of {max_ctx}")
+
+
+def _sample_step(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 greedy: torch.Tensor, generators: list[torch.Generator | None],
+                 ) -> tuple[torch.Tensor, list[float], list[float]]:
+    """One token per live row: (chosen ids, raw log-probs at T=1, log-probs under the sampling
+    distribution, 0 for greedy rows). Exponential-race sampling (argmax of log p - log E, E ~ Exp(1))
+    lets each row use its own generator without a Python loop over multinomial calls."""
+    raw_logp = logits.log_softmax(-1)
+    samp_logp = _filtered_logits(logits, temperature, top_k, top_p).log_softmax(-1)
+    noise = torch.empty_like(samp_logp)
+    shared = [j for j, g in enumerate(generators) if g is None]
+    if shared:
+        noise[shared] = torch.empty((len(shared), noise.shape[1]), device=noise.device).exponential_()
+    for j, g in enumerate(generators):
+        if g is not None:
+            noise[j] = torch.empty(noise.shape[1], device=noise.device).exponential_(generator=g)
+    choice = (samp_logp - noise.log()).argmax(-1)
+    choice = torch.where(greedy, logits.argmax(-1), choice)
+    lp = raw_logp.gather(1, choice.unsqueeze(1)).squeeze(1).tolist()
+    slp = samp_logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+    return choice, lp, torch.where(greedy, torch.zeros_like(slp), slp).tolist()
+
+
+def _generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParams], eos_token_id: int | None,
+                  pad_token_id: int, decode, on_step: Callable[[list[int], list[int]], None] | None,
+                  on_finish: Callable[[int, Sample], None] | None, caches: list[RowCache | None] | None,
+                  route_log: _RouteLog | None) -> list[Sample]:
+    _check_rows(model, prompt_ids, params, caches)
+    if not prompt_ids:
+        return []
+    device = next(model.parameters()).device
     B = len(prompt_ids)
     if caches is not None and any(c is not None for c in caches):
         batch = _prefill_cached(model, prompt_ids, caches, pad_token_id, device, route_log)
@@ -335,24 +362,9 @@ def _generate_ids(model, prompt_ids: list[list[int]], params: list[SamplingParam
             logits = out.logits[:, -1, :].float()
             if route_log is not None:
                 route_log.decode(active)
-        raw_logp = logits.log_softmax(-1)
         idx = torch.tensor(active, device=device)
-        filt = _filtered_logits(logits, temperature[idx], top_k[idx], top_p[idx])
-        samp_logp = filt.log_softmax(-1)
-        # Exponential-race sampling (argmax of log p - log E, E ~ Exp(1)) lets each row use its own
-        # generator without a Python loop over multinomial calls.
-        noise = torch.empty_like(samp_logp)
-        shared = [j for j, row in enumerate(active) if generators[row] is None]
-        if shared:
-            noise[shared] = torch.empty((len(shared), noise.shape[1]), device=device).exponential_()
-        for j, row in enumerate(active):
-            if generators[row] is not None:
-                noise[j] = torch.empty(noise.shape[1], device=device).exponential_(generator=generators[row])
-        choice = (samp_logp - noise.log()).argmax(-1)
-        choice = torch.where(greedy[idx], logits.argmax(-1), choice)
-        lp = raw_logp.gather(1, choice.unsqueeze(1)).squeeze(1).tolist()
-        slp = samp_logp.gather(1, choice.unsqueeze(1)).squeeze(1)
-        slp = torch.where(greedy[idx], torch.zeros_like(slp), slp).tolist()
+        choice, lp, slp = _sample_step(logits, temperature[idx], top_k[idx], top_p[idx], greedy[idx],
+                                       [generators[row] for row in active])
         tokens = choice.tolist()
         if on_step is not None:
             on_step(list(active), tokens)
