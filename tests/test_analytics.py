@@ -94,7 +94,7 @@ def test_notebook_executes_against_a_populated_database(tmp_path: Path, monkeypa
     _populate(make_settings(tmp_path, url))
     figure = tmp_path / "accept_rate.png"
     monkeypatch.setenv("RTRL_DB__URL", url)
-    monkeypatch.setenv("RTRL_NOTEBOOK_FIGURE", str(figure))
+    monkeypatch.setenv("FEEDBACK_NOTEBOOK_FIGURE", str(figure))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
