@@ -77,7 +77,7 @@ from offline_rl.splits import load_split
 from offline_rl.workers import AsyncRollouts, WorkerConfig, sample_tasks
 from policy.distributed import DataParallel, DistributedError, setup
 from policy.loading import load_policy
-from policy.logprobs import sequence_logprobs
+from policy.logprobs import pad_rows, sequence_logprobs
 from policy.losses import (
     group_advantages,
     grpo_policy_loss,
@@ -120,24 +120,8 @@ class GRPOResult:
                 "dropped_stale": self.dropped_stale, "zero_variance_groups": self.zero_variance_groups}
 
 
-def pad_float(rows: list[list[float]], width: int):
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, :len(r)] = torch.tensor(r[:width], dtype=torch.float32)
-    return out
-
-
 def _take(routes: list | None, idx: list[int]) -> list | None:
     return None if routes is None else [routes[i] for i in idx]
-
-
-def pad_bool(rows: list[list[bool]], width: int):
-    out = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, :len(r)] = torch.tensor(r[:width], dtype=torch.bool)
-    return out
 
 
 class GRPOTrainer:
@@ -222,9 +206,9 @@ class GRPOTrainer:
         comps = [t.completion_ids for t in sel]
         routes = [t.routes for t in sel] if any(t.routes is not None for t in sel) else None
         width = max(len(x) for x in comps)
-        action = pad_bool([t.action_mask for t in sel], width).to(self.device)
-        behaviour = pad_float([t.behaviour_logprobs for t in sel], width).to(self.device)
-        summary = pad_bool([t.summary_mask for t in sel], width).to(self.device)
+        action = pad_rows([t.action_mask for t in sel], width, torch.bool).to(self.device)
+        behaviour = pad_rows([t.behaviour_logprobs for t in sel], width).to(self.device)
+        summary = pad_rows([t.summary_mask for t in sel], width, torch.bool).to(self.device)
         # The loss on summary tokens is scaled by summary_token_weight (folded into the per-token
         # importance weight, which multiplies each token's loss); None keeps the plain path exact.
         token_w = None

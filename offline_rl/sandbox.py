@@ -502,9 +502,6 @@ class SandboxPool:
         self.isolation = self.sandboxes[0].isolation
         self.isolation_reason = self.sandboxes[0].isolation_reason
 
-    def run_many(self, jobs: Sequence[tuple[str, str, Sequence[TestCase]]]) -> list[RunResult]:
-        return [f.result() for f in [self.submit(*job) for job in jobs]]
-
     def submit(self, code: str, entry_point: str, tests: Sequence[TestCase]) -> Future[RunResult]:
         """Send a run to the zygote with the fewest runs in flight and return at once."""
         with self._next_lock:

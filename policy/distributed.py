@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from policy.config import DistributedSettings
+from policy.loading import save_policy
 
 T = TypeVar("T")
 
@@ -181,17 +182,11 @@ class DataParallel:
 
     def save_pretrained(self, model, tokenizer, out: Path) -> Path:
         """An HF directory of the full model, written by rank 0; a collective."""
-        out = Path(out)
         state = self.full_state_dict(model) if self.enabled else None
         if self.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            if state is None:
-                model.save_pretrained(out, safe_serialization=True)
-            else:
-                model.save_pretrained(out, state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(out)
+            save_policy(model, tokenizer, out, state_dict=state)
         self.barrier()
-        return out
+        return Path(out)
 
     def clip_grad_norm(self, parameters, max_norm: float) -> float:
         """Global gradient-norm clip (across every rank's shards); returns the norm before clipping."""

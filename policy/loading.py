@@ -93,6 +93,16 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     return model.to(device).eval()
 
 
+def save_policy(model, tokenizer, out_dir: str | Path, state_dict: dict | None = None) -> Path:
+    """Write an HF directory (safetensors weights, config, tokenizer) that transformers and vLLM load
+    unchanged; ``state_dict`` replaces the model's own tensors (a sharded model's gathered weights)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def load_policy(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> Policy:
     """Model (eval mode) and tokenizer from one local directory."""
     return Policy(model=load_model(model_dir, dtype, device), tokenizer=load_tokenizer(model_dir),

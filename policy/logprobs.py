@@ -41,6 +41,17 @@ class TokenLogprobs:
     route_stats: RouteStats | None = None  # recorded vs live routing, when routes were given
 
 
+def pad_rows(rows: Sequence[Sequence[float]] | Sequence[Sequence[bool]], width: int,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Ragged per-token rows as one ``[len(rows), width]`` tensor, zero (False) past each row's end and
+    cut at ``width``."""
+    out = torch.zeros((len(rows), width), dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, :min(len(r), width)] = torch.tensor(list(r[:width]), dtype=dtype)
+    return out
+
+
 def pad_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_token_id: int = 0):
     """Build (input_ids, attention_mask, position_ids, completion_mask, prompt_width)."""
     if len(prompt_ids) != len(completion_ids):

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 from policy.config import TinyModelSettings
-from policy.loading import MODEL_BUILD_LOCK, quiet_transformers
+from policy.loading import MODEL_BUILD_LOCK, quiet_transformers, save_policy
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
@@ -92,8 +92,7 @@ def build_tiny_model(out_dir: str | Path, cfg: TinyModelSettings, texts: Iterabl
     with MODEL_BUILD_LOCK:  # a concurrent from_pretrained would have the init functions patched out
         model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    save_policy(model, tokenizer, out)
     (out / "rtrl_model.json").write_text(json.dumps({"built_by": "rtrl init-model", "moe": moe, **cfg.model_dump()},
                                                     indent=2))
     return out

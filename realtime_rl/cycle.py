@@ -22,7 +22,7 @@ import sqlalchemy as sa
 import torch
 
 from policy.distributed import DataParallel, setup
-from policy.loading import load_policy
+from policy.loading import load_policy, save_policy
 from realtime_rl.baseline import load_bucket_stats, merge_batch
 from realtime_rl.bus import open_producer
 from realtime_rl.database import make_engine
@@ -40,7 +40,7 @@ from realtime_rl.release import (
 )
 from realtime_rl.release_tables import update_runs
 from realtime_rl.schema import ensure_schema
-from realtime_rl.update import compute_advantages, save_candidate, train_policy
+from realtime_rl.update import compute_advantages, train_policy
 
 
 @dataclass
@@ -307,7 +307,7 @@ def _train_and_release(settings, engine: sa.Engine, run_id: str, data: CycleData
                          accept_rate_train=sum(e.accepted for e in ds.train) / len(ds.train),
                          advantage_mean=sum(adv) / len(adv), baseline_mean=sum(baseline) / len(baseline))
     work = Path(settings.update.work_dir) / run_id
-    save_candidate(policy, work)
+    save_policy(policy.model, policy.tokenizer, work)
     candidate = store.publish(work, parent=production, run=run_id,
                               metrics={k: v for k, v in train_metrics.items() if isinstance(v, float)})
     shutil.rmtree(work, ignore_errors=True)

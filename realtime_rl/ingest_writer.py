@@ -45,7 +45,6 @@ from realtime_rl.ingest_plan import (
     FEEDBACK_COLUMNS,
     PG_COPY_TYPES,
     BatchPlan,
-    plan_batch,
     sqlite_timestamp,
     staged_rows,
     utc,
@@ -155,12 +154,6 @@ def _feedback_row(e: FeedbackEvent, now: datetime, is_latest: bool) -> dict[str,
         "signal": e.signal, "kept_text": e.kept_text, "score": e.score, "comment": e.comment,
         "created_at": utc(e.ts), "ingested_at": now, "is_latest": is_latest,
     }
-
-
-def write_batch(conn: sa.Connection, items: Sequence[Decoded], now: datetime, *, max_raw: int,
-                use_copy: bool = True) -> WriteResult:
-    """Write ``items`` (already decoded; failures carry a reason) inside the open transaction."""
-    return write_plan(conn, plan_batch(items, conn.dialect, use_copy=use_copy), now, max_raw=max_raw)
 
 
 def write_plan(conn: sa.Connection, plan: BatchPlan, now: datetime, *, max_raw: int,

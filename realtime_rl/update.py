@@ -60,25 +60,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
 from policy.distributed import DataParallel
-from policy.logprobs import sequence_logprobs
-from policy.losses import masked_mean, mismatch_metrics, reinforce_loss, replay_metrics
+from policy.logprobs import pad_rows, sequence_logprobs
+from policy.losses import kl_k3, masked_mean, mismatch_metrics, reinforce_loss, replay_metrics
 from policy.routes import Routes
 from policy.routing import RouteStats
 from realtime_rl.baseline import bucket_mean_advantages, caller_centred, value_head_advantages
 from realtime_rl.config import UpdateSettings
 from realtime_rl.dataset import TrainingExample
-
-
-def _pad(rows: Sequence[Sequence[float]], width: int):
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(list(r), dtype=torch.float32)
-    return out
 
 
 def behaviour_logprobs(e: TrainingExample, which: str) -> list[float]:
@@ -112,10 +104,10 @@ def _reference_pass(model, prompts, comps, routes, examples, served: list[bool],
     mask = torch.zeros((len(comps), width), dtype=torch.bool)
     for i, c in enumerate(comps):
         mask[i, :len(c)] = served[i]
-    logged, ref = _pad([e.example.logprobs for e in examples], width), _pad(ref_all, width)
+    logged, ref = pad_rows([e.example.logprobs for e in examples], width), pad_rows(ref_all, width)
     metrics = mismatch_metrics(ref, logged, mask)
     if routes is not None:
-        off, rep = (_pad(other, width), ref) if replay else (ref, _pad(other, width))
+        off, rep = (pad_rows(other, width), ref) if replay else (ref, pad_rows(other, width))
         metrics.update(replay_metrics(off, rep, logged, mask), route_disagreement=stats.rate,
                        route_disagreement_tokens=stats.token_rate, router_replay=float(replay))
     return ref_all, metrics
@@ -175,8 +167,8 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
                                        routes=None if routes is None else [routes[j] for j in idx],
                                        replay=cfg.router_replay == "replay")
                 width, dev = tl.mask.shape[1], tl.logprobs.device
-                mu = _pad([mu_all[j] for j in idx], width).to(dev)
-                ref = _pad([ref_all[j] for j in idx], width).to(dev) if cfg.kl_coef else None
+                mu = pad_rows([mu_all[j] for j in idx], width).to(dev)
+                ref = pad_rows([ref_all[j] for j in idx], width).to(dev) if cfg.kl_coef else None
                 # Balance weights scale the advantage: the loss is linear in A, so this weights example j's
                 # loss by w_j (the dual-clip bound C·A scales with it).
                 # Negative advantages are scaled by negative_advantage_scale (see the module docstring).
@@ -189,11 +181,10 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
                 with torch.no_grad():
                     # The trust region is measured on the policy's own samples: a kept text the serving
                     # weights found unlikely would otherwise read as a large KL after a small step.
-                    refk = _pad([ref_all[j] for j in idx], width).to(dev)
+                    refk = pad_rows([ref_all[j] for j in idx], width).to(dev)
                     own = tl.mask & torch.tensor([served[j] for j in idx], device=dev).unsqueeze(1)
                     counts["own"] = int(own.sum())
-                    m["kl_to_serving_k3"] = masked_mean(torch.exp(refk - tl.logprobs) - (refk - tl.logprobs) - 1,
-                                                        own).item() if counts["own"] else 0.0
+                    m["kl_to_serving_k3"] = masked_mean(kl_k3(tl.logprobs, refk), own).item() if counts["own"] else 0.0
             # Every rank's loss and metrics are its part of the one-process values: token means, weighted
             # by this rank's share of the minibatch's tokens (the normaliser of the token-level loss).
             total = dp.sum_dict(counts)
@@ -272,9 +263,3 @@ def compute_advantages(examples: Sequence[TrainingExample], cfg: UpdateSettings,
         return caller_centred(examples, history, cfg.baseline_prior, cfg.caller_baseline_prior)
     return bucket_mean_advantages(examples, history, cfg.baseline_prior)
 
-
-def save_candidate(policy, out_dir: Path) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    policy.model.save_pretrained(out_dir)
-    policy.tokenizer.save_pretrained(out_dir)
-    return out_dir
