@@ -139,7 +139,7 @@ class SandboxSettings(Section):
     nproc: int = Field(8, ge=1, description="RLIMIT_NPROC for the program's uid.")
     fsize_kb: int = Field(1024, ge=0, description="RLIMIT_FSIZE in KiB (largest file the program may write).")
     pool_size: int = Field(4, ge=1, description="Fork servers per process: a batch's programs are scored "
-                           "concurrently (hides fork/schedule latency; 32 programs 0.41 s -> 0.15 s).")
+                           "concurrently (hides fork and scheduling latency behind other programs' runs).")
 
 
 class RewardSettings(Section):

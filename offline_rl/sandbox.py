@@ -35,8 +35,8 @@ from offline_rl.tasks import TestCase
 
 ZYGOTE = Path(__file__).with_name("sandbox_zygote.py")
 # The zygote is imported by a one-line program, not run as a script: a script is compiled on every
-# start and the compiler's leftovers stay in the heap, ~0.9 MiB (~230 pages) more that every fork
-# copies the page tables of and every child's exit unmaps; an import reads the cached bytecode.
+# start and the compiler's leftovers stay in the heap, memory that every fork copies the page
+# tables of and every child's exit unmaps; an import reads the cached bytecode.
 # -I leaves the zygote's directory off sys.path; it is added for this import only.
 _BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); import sandbox_zygote; del sys.path[0]; sandbox_zygote.main()"
 Status = Literal["passed", "failed", "error", "timeout"]
@@ -97,7 +97,7 @@ def _unserialisable(value: Any) -> Any:
 
 
 # json.dumps(value, sort_keys=True) without the Python layers it runs on every call (a JSONEncoder
-# and a C encoder built per call: ~2.6 us, twelve calls per program). No circular-reference check:
+# and a C encoder built per call, a dozen calls per program). No circular-reference check:
 # the values compared are JSON-decoded reports and task outputs, which cannot contain cycles; one
 # that did would fail with RecursionError instead of ValueError. Holds no state, so threads share it.
 _CANONICAL = json.encoder.c_make_encoder(
@@ -184,7 +184,7 @@ class Sandbox:
         program: str | CodeType = code
         if len(code) <= COMPILE_BEFORE_FORK_MAX:
             # Compiled here rather than in the zygote, where the compiler's work lands on pages that
-            # every fork write-protects again (~25 page faults per run, besides the compile itself).
+            # every fork write-protects again (page faults in every run, besides the compile itself).
             # Compiling runs nothing of the program. Warnings about it (SyntaxWarning...) are noise
             # here, and must not become errors under -W error.
             try:
@@ -408,7 +408,7 @@ def decode_reply(payload: bytes) -> dict:
 
 
 # The C scanner under json.loads, called directly: json.loads runs three Python functions around it
-# on every line (~2.7 us a line, six or more lines per program). It keeps no state between calls.
+# on every line, and every program reports several lines. It keeps no state between calls.
 _SCAN = json.scanner.c_make_scanner(json.JSONDecoder())
 _SPACE = json.decoder.WHITESPACE.match
 

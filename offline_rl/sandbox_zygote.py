@@ -5,8 +5,8 @@ path and calls :func:`main` (``python -I -S sandbox_zygote.py MODE`` works too, 
 compiling the script on every start); it imports only the standard library (no site-packages, no
 project code), so it runs from its path alone.
 
-Why a fork server: a fresh interpreter costs ~20–30 ms, a fork of this small warm one ~1–2 ms, and
-GRPO scores thousands of programs. The zygote itself never runs model code (it only compiles it,
+Why a fork server: a fork of this small warm interpreter costs a small fraction of a fresh one's start,
+and GRPO scores thousands of programs. The zygote itself never runs model code (it only compiles it,
 as the parent's syntax pre-check already did); each program runs in a forked child that, before
 running any of it:
 
@@ -22,8 +22,8 @@ running any of it:
 
 In ``namespace`` mode the run directories live on a size-capped tmpfs (``SCRATCH_MB``) mounted in
 the zygote's own mount namespace: the host never sees it, it vanishes with the zygote, a program
-cannot fill the host's disk, and creating and removing a run directory costs ~0.03 ms instead of
-~1.5 ms on the disk. A child costs one fork; the uid sweep (a second fork) runs only when something
+cannot fill the host's disk, and creating and removing a run directory there is much cheaper than
+on the disk. A child costs one fork; the uid sweep (a second fork) runs only when something
 outlived the program (see ``_has_children``).
 
 The zygote receives only the program, the entry point and the test *inputs*; expected outputs never
@@ -68,7 +68,7 @@ import types
 import warnings
 
 # shutil imports zlib, bz2 and lzma when it can (for archives, unused here): three extension modules
-# and their shared libraries, ~30 memory mappings that every fork copies and every child faults on.
+# and their shared libraries, whose memory mappings every fork copies and every child faults on.
 # Hide them while it imports; programs never had them on purpose.
 _ARCHIVERS = ("zlib", "bz2", "_bz2", "lzma", "_lzma")
 for _name in _ARCHIVERS:
@@ -214,7 +214,7 @@ def _limits(req) -> tuple[tuple[int, tuple[int, int]], ...]:
 
 # The module functions the child calls are its default arguments: looking them up on their modules
 # in each child misses the interpreter's type-attribute cache and writes to it (and to the bytecode's
-# warm-up counters), copying ~30 pages per child. Bound here, they are local variables.
+# warm-up counters), copying those pages in every child. Bound here, they are local variables.
 def _child(req, code, workdir: str, mode: str, uid: int, write_fd: int, limits, devnull: int,
            _setsid=os.setsid, _dup2=os.dup2, _closerange=os.closerange, _setrlimit=resource.setrlimit,
            _chroot=os.chroot, _chdir=os.chdir, _setgid=os.setgid, _setuid=os.setuid, _setitimer=signal.setitimer,
@@ -274,8 +274,8 @@ def _child(req, code, workdir: str, mode: str, uid: int, write_fd: int, limits, 
 # may rebind globals and builtins.
 #
 # A report is encoded by one C encoder made here, with json.dumps' defaults (so the same text): the
-# json.dumps path builds a JSONEncoder and a C encoder in Python code on every call, ~16 copied
-# pages per child. The encoder's circular-reference markers are emptied before each report, as a
+# json.dumps path builds a JSONEncoder and a C encoder in Python code on every call, copying pages
+# in every child. The encoder's circular-reference markers are emptied before each report, as a
 # fresh dumps call would have them (an encoding that failed half-way may leave some behind).
 _MARKERS: dict = {}
 _ENCODE = json.encoder.c_make_encoder(
@@ -339,7 +339,7 @@ def _has_children() -> bool:
     surviving descendant (one that left the process group with setsid included) is, or descends
     from, a child of the zygote. The program's uid is the zygote's own (``UID_BASE + pid``) and
     only the program's tree ever runs under it, so "the zygote has no child" means "no process of
-    that uid exists", and the sweep (a fork, ~1 ms of CPU per program) can be skipped. Any child,
+    that uid exists", and the sweep (a second fork per program) can be skipped. Any child,
     live or zombie, means something was left: the caller sweeps as before."""
     try:
         os.waitpid(-1, os.WNOHANG)  # reaps one zombie if there is one: it still counts as left over
@@ -403,12 +403,11 @@ def _collect_at_exit(r: int, pid: int, deadline: float) -> tuple[list[bytes], bo
 
 def _collect_until_exit(r: int, pidfd: int, deadline: float) -> tuple[list[bytes], bool, bool, bool]:
     """With room for all the output it may send, sleep until the child exits (or the deadline) and
-    then take what it wrote. A zygote woken by every line costs the child ~0.25 ms of CPU per
-    program (measured with the child's own CPU clock: 0.27-0.36 ms for six tests reported as they
-    finish, 0.02 ms when the zygote waits for the exit), more than all its tests. A child that fills
-    the pipe blocks and is killed at the deadline; a descendant still holding the write end is not
-    waited for (the sweep kills it). Returns (chunks, killed, truncated, exited); the caller's pidfd
-    serves the exit wait after this one too."""
+    then take what it wrote. A zygote woken by every line costs the child more CPU (by the child's
+    own CPU clock) than all its tests, where a zygote that waits for the exit costs it next to
+    nothing. A child that fills the pipe blocks and is killed at the deadline; a descendant still
+    holding the write end is not waited for (the sweep kills it). Returns (chunks, killed, truncated,
+    exited); the caller's pidfd serves the exit wait after this one too."""
     exited = bool(select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0])
     os.set_blocking(r, False)
     chunks, size = [], 0
@@ -432,7 +431,7 @@ _runs = itertools.count()
 
 def _compile(program):
     """The program's code object before the fork, so that the child neither builds nor copies the
-    compiler's pages (~0.1 ms of a ~1.2 ms run): as the parent sends it (it compiles sources up to
+    compiler's pages (a noticeable share of a run): as the parent sends it (it compiles sources up to
     COMPILE_IN_ZYGOTE_MAX itself), or compiled here from a small source. None for a source too
     large to compile quickly: the child compiles it, under its limits. Compiling runs nothing of
     the program."""
@@ -448,7 +447,7 @@ def _fork() -> int:
 
     ``os.fork()`` runs the at-fork callbacks registered in the zygote (``random`` reseeds its
     generator in every child, in Python code) and re-initialises the interpreter's locks and thread
-    state in the child: measured ~0.1 ms of CPU and ~22 copied pages per child. None of that has
+    state in the child, which costs every child CPU time and copied pages. None of that has
     anything to do here. The zygote is single-threaded (``threading`` is never imported, no thread
     is started), so no lock can be held by another thread at the fork; the fork happens in plain
     code, not while importing; and the forking thread keeps the GIL across the call (PyDLL), so the
@@ -537,19 +536,19 @@ def _on_alarm(signum, frame):
 def _warm_up() -> None:
     """Do once here what every forked child would otherwise redo on its own copy-on-write pages.
 
-    The first ``compile()`` in an interpreter builds the ~100 AST node types (PyAST_Check runs on
-    every call): measured ~1 ms of a child's ~3 ms CPU. The SIGALRM handler a child needs is set
-    here too (the zygote arms a timer only in the warm-up below, around calls that return at once). ``gc.freeze()`` then moves everything the
-    zygote holds to the permanent generation, so a collection in a child does not walk (and write,
-    hence copy) the zygote's objects."""
+    The first ``compile()`` in an interpreter builds all the AST node types (PyAST_Check runs on
+    every call): a large share of a child's CPU. The SIGALRM handler a child needs is set here too
+    (the zygote arms a timer only in the warm-up below, around calls that return at once).
+    ``gc.freeze()`` then moves everything the zygote holds to the permanent generation, so a
+    collection in a child does not walk (and write, hence copy) the zygote's objects."""
     compile("pass", "<warm-up>", "exec")
     signal.signal(signal.SIGALRM, _on_alarm)
     # Compiler warnings about a program (SyntaxWarning...) would go to our stderr, a pipe nobody
     # reads while we run: enough of them would block the zygote.
     warnings.simplefilter("ignore")
     # Run the children's reporting path here until the interpreter has specialised it (a few
-    # dozen calls), so that each child inherits that instead of redoing it: measured ~0.08 ms and
-    # ~20 copied pages fewer per child. Nothing of any program runs here.
+    # dozen calls), so that each child inherits that instead of redoing it (less work and fewer copied
+    # pages per child). Nothing of any program runs here.
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         for _ in range(20):

@@ -13,11 +13,11 @@ norm-only default 7 KB instead of 6 MB). Every batch carries the version that pr
 Admission control: a worker takes one of ``queue_size`` slots *before* it samples a batch, and the
 trainer frees the slot when it takes the batch. Without it a worker finishes a batch, then waits
 for the trainer holding data that ages while it waits, and the trainer drops it as
-stale (measured: 12 of 50 batches with a queue of two). With one slot the worker samples batch k+1
+stale (with a queue of two, a sizeable share of the batches). With one slot the worker samples batch k+1
 while the trainer trains on batch k, so staleness is exactly 1 and no rollout compute is wasted.
 
 Scoring beside sampling: a batch's last completions finish together, and their sandbox verdicts
-take a few milliseconds more (~7.5 ms of a ~150 ms step here) during which the worker would only
+take a little longer (a small but steady share of every step), during which the worker would only
 wait. When the trainer is already waiting for that batch (``trainer_waiting``), it has published
 every version it can before the batch arrives, so the worker starts sampling batch k+1 at once, on
 the weights it would have picked up after delivering k, and a second thread of the worker collects
@@ -96,8 +96,8 @@ class _Deliveries:
                 if job is None:
                     return
                 if self.error is None:
-                    # Pickled and written here, not by a queue's feeder thread: that extra hop cost
-                    # 3-5 ms per batch on the critical path while both cores were busy (handoff_s).
+                    # Pickled and written here, not by a queue's feeder thread: that extra hop sits on
+                    # the critical path and waits for a core when all of them are busy (handoff_s).
                     # The write cannot block for long: the batch holds a slot, so the trainer reads
                     # it; if the trainer dies the pipe breaks and the write fails.
                     self.out.send(job())

@@ -57,7 +57,7 @@ class RegistrySettings(Section):
     shard_mb: float = Field(256, gt=0, description="Target size of snapshot shards and delta files (MiB): many "
                             "files of similar size transfer in parallel.")
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level for delta byte planes (1 is fast and, on "
-                            "noise-like planes, as small as 9; 16+ is ~5% smaller and ~10x slower).")
+                            "noise-like planes, as small as 9; 16+ is slightly smaller and much slower).")
     channels: list[str] = Field(["candidate", "production"], description="Channel names promote/rollback accept.")
     rollback_depth: int = Field(10, ge=2, description="Versions each channel can roll back through (gc keeps them).")
     keep_last: int = Field(5, ge=0, description="gc keeps this many newest versions (plus channels' and their chains).")

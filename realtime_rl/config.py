@@ -97,8 +97,9 @@ class IngestSettings(Section):
                                          "record is checked against its own shape and expert count only.")
     gc_threshold: int = Field(100_000, ge=0, description="Python's generation-0 GC threshold while ingesting "
                               "(0: leave the interpreter's 700). A batch keeps ~20 objects per event alive, and "
-                              "at 700 the cyclic collector rescans them over and over: ~30% of ingest CPU measured. "
-                              "The objects are acyclic, so reference counting still frees them at once.")
+                              "at 700 the cyclic collector rescans them over and over, a large share of "
+                              "ingest CPU. The objects are acyclic, so reference counting still frees them "
+                              "at once.")
 
 
 class UpdateSettings(Section):

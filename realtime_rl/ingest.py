@@ -272,10 +272,10 @@ class Ingester:
         the database is occupied anyway; once it is idle, waiting only delays the rows (the last batch
         of a burst waited the whole 100 ms). A batch of ``_first_batch`` or more ends at a dry poll:
         its decoding then overlaps the transaction instead of following it (the last batch of a
-        burst was decoded only after the previous commit, ~70 ms added to the burst). Then it takes
-        what it has, unless the bus still has records and the batch is below ``_first_batch``: a
-        transaction costs milliseconds however small, so tiny batches beside a fast commit would spend
-        more on transactions than they save in latency."""
+        burst was decoded only after the previous commit, which added all its decoding to the burst).
+        Then it takes what it has, unless the bus still has records and the batch is below
+        ``_first_batch``: a transaction costs milliseconds however small, so tiny batches beside a fast
+        commit would spend more on transactions than they save in latency."""
         records: list[Record] = []
         deadline: float | None = None
         timeout = self.cfg.poll_timeout_s

@@ -119,9 +119,10 @@ def staged_fields(plan: BatchPlan, table: str, start: int = 0,
 
     Completions: ``[fields, token ids, samplings]``: a tuple of the text and number columns
     (``_completion_fields``), all the prompt and then all the completion token-id lists as one JSON
-    text (pydantic-core writes an int in ~200 instructions, while shipping a list of small ints costs
-    more than that: marshal looks each shared small int up in its reference table, both ways; and one
-    call instead of two a completion saves ~1 us an event), and the sampling record's fields. Feedback: ``[fields, newest]``: the columns up to ``comment``, and whether the event
+    text (pydantic-core writes an int cheaply, while shipping a list of small ints costs more than
+    that: marshal looks each shared small int up in its reference table, both ways; and one call
+    instead of two a completion saves a call's overhead on every event), and the sampling record's
+    fields. Feedback: ``[fields, newest]``: the columns up to ``comment``, and whether the event
     is the newest of its completion in the batch. Built by C-level ``map`` calls over the events'
     ``__dict__``: a Python loop (or a pydantic model's attribute access, which goes through its
     ``__getattr__`` hook) cost several times as much per event."""
@@ -180,7 +181,7 @@ def _sampling_json(sampling: dict, seen: dict[str, str]) -> str:
     """The sampling record's JSON (its field dict is written exactly as the record itself: same fields,
     same order, same values). The completions of a batch mostly share their sampling parameters, so
     each distinct one is encoded once, found by its ``repr`` (exact: it tells -0.0 from 0.0 and 1 from
-    1.0, which compare equal), ~2.5k instructions against ~7k for the encoding."""
+    1.0, which compare equal), far cheaper than encoding it again."""
     key = repr(sampling)
     text = seen.get(key)
     if text is None:
@@ -248,10 +249,10 @@ def utc(ts: datetime) -> datetime:
 
 def sqlite_timestamp(ts: datetime) -> str:
     """SQLAlchemy's SQLite text for ``ts`` (naive UTC, always six fractional digits). ``isoformat``
-    gives the same text as ``strftime("%Y-%m-%d %H:%M:%S.%f")`` in a third less time (one per row).
+    gives the same text as ``strftime("%Y-%m-%d %H:%M:%S.%f")`` in less time (one per row).
     At offset zero (nearly every event) the aware text minus its "+00:00" is the answer: converting
     first cost more than the formatting (pydantic's ``TzInfo`` makes ``astimezone`` and ``replace``
-    slow), 1.6 -> 1.1 us a row."""
+    slow)."""
     offset = ts.utcoffset()
     if offset is None:
         return ts.isoformat(" ", "microseconds")
@@ -269,8 +270,8 @@ def sqlite_timestamps(stamps: list[datetime]) -> list[str]:
     the ``Z`` gone. A list of only those is exactly ``30 n + 1`` characters long with ``n`` closing
     ``Z"`` (the other forms, naive, with an offset or without microseconds, are 19 to 32 characters,
     and a ``Z"`` closes only the zero-offset ones of 20 or 27), so the whole list is converted by three
-    string operations. ~5k instructions a timestamp instead of ~16k (``isoformat`` formats with
-    ``printf`` and asks ``TzInfo`` for the offset twice). Anything else is parsed back and formatted
+    string operations, a fraction of the work of formatting each timestamp (``isoformat`` formats
+    with ``printf`` and asks ``TzInfo`` for the offset twice). Anything else is parsed back and formatted
     one at a time."""
     return _sqlite_stamps(stamps_json(stamps), len(stamps))
 

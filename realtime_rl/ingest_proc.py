@@ -3,13 +3,13 @@
 Why a process. The ingester's main thread polls, decodes and plans; the transaction of the previous
 batch ran on a second thread of the same process. That thread held the GIL for everything but the
 database's own C code: encoding each row for the driver (JSON text of the token-id and log-prob
-lists, timestamps) and binding every value (SQLite copies each bound string under the GIL), ~60k
-instructions an event, against ~75k for decoding itself, and the two threads took turns. Here the
-main thread hands each staged batch over as plain field values (``ingest_plan.staged_fields``:
-strings, number lists, the token ids already as JSON, one JSON text of the timestamps), ``marshal``ed
-in C (~20k instructions an event in all), and this process encodes the rest, binds and runs the
-whole transaction (offsets, rows, join, model versions, dead letters, commit) with its own
-interpreter, on the other core.
+lists, timestamps) and binding every value (SQLite copies each bound string under the GIL), nearly
+as much work an event as decoding itself, and the two threads took turns. Here the main thread
+hands each staged batch over as plain field values (``ingest_plan.staged_fields``: strings, number
+lists, the token ids already as JSON, one JSON text of the timestamps), ``marshal``ed in C (a
+fraction of that work), and this process encodes the rest, binds and runs the whole transaction
+(offsets, rows, join, model versions, dead letters, commit) with its own interpreter, on the other
+core.
 
 Exactly once is unchanged: the offsets move in the same transaction as the rows, conditionally on
 where they were (``ingest_writer.advance``). If the ingester dies, this process sees end-of-file on
@@ -161,8 +161,8 @@ class WriterProcess:
         proc, shared = self._proc, self._shared
         assert proc is not None and shared is not None
         # The batch goes through a shared file, the pipe carries its size: a pipe takes 64 KiB at a time,
-        # and each of the ~40 partial writes of a batch waited for the GIL (the main thread decodes
-        # meanwhile), ~20 ms a batch; one write here.
+        # and each of a batch's many partial writes would wait for the GIL (the main thread decodes
+        # meanwhile); one write here.
         try:
             _pwrite_all(shared.fileno(), body)
         except OSError as err:
@@ -316,16 +316,16 @@ class _Checkpointer:
 
     SQLite's automatic checkpoint runs inside the commit that crosses its threshold: that commit then
     copies the whole log back and syncs the database file (~40 MB at ``wal_autocheckpoint`` 10000
-    pages: 0.25-0.45 s measured, while the ingester's main thread waited for the batch). Run from a
-    thread after every commit instead, checkpoints no longer stalled a batch, but their copying and
-    syncing still took CPU and disk from the ingester: a 50k-event backlog took 1.50-1.67 s instead of
-    1.29-1.31 s. So the writer's connection does none (``wal_autocheckpoint=0``), and this thread runs
-    a PASSIVE checkpoint (it neither waits for the writer nor stops it; the sqlite3 driver releases the
-    GIL meanwhile) once no batch has been committed for ``IDLE_S``, or during the traffic once the log
-    has grown past ``BUSY_BYTES``. SQLite starts the log over at the first write after a checkpoint
-    caught up. Should it still pass ``LIMIT_BYTES`` (the log grows while checkpoints cannot keep up
-    with the traffic), the writer checkpoints it to the end itself between two transactions
-    (``RESTART``: a pause, as before, but rare).
+    pages), while the ingester's main thread waits for the batch. Run from a thread after every
+    commit instead, checkpoints no longer stalled a batch, but their copying and syncing still took
+    CPU and disk from the ingester, which then caught up with a backlog more slowly. So the writer's
+    connection does none (``wal_autocheckpoint=0``), and this thread runs a PASSIVE checkpoint (it
+    neither waits for the writer nor stops it; the sqlite3 driver releases the GIL meanwhile) once no
+    batch has been committed for ``IDLE_S``, or during the traffic once the log has grown past
+    ``BUSY_BYTES``. SQLite starts the log over at the first write after a checkpoint caught up.
+    Should it still pass ``LIMIT_BYTES`` (the log grows while checkpoints cannot keep up with the
+    traffic), the writer checkpoints it to the end itself between two transactions (``RESTART``: a
+    pause, as before, but rare).
 
     Durability: a process crash loses nothing committed. At ``synchronous=NORMAL`` the log is synced
     by checkpoints, so a power cut can roll back what was committed since the last one: in a burst up

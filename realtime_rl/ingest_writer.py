@@ -55,7 +55,7 @@ _IN_CHUNK = 2000
 
 # The sqlite3 driver "adapts" every parameter that is not exactly an int, float, str or bytearray,
 # None included: finding no adapter registered for it, it asks the protocol type for ``__adapt__``,
-# which raises and clears an AttributeError (~2k instructions a None; a staged feedback row binds
+# which raises and clears an AttributeError (costly for every None; a staged feedback row binds
 # three, a completion one or two). With this entry the lookup hits, and the adapter returns its
 # argument (``{}.get`` of anything is None, and a C call): binding is unchanged, None is NULL.
 sqlite3.register_adapter(type(None), {}.get)
@@ -264,10 +264,10 @@ def _join(conn: sa.Connection, result: WriteResult, new_completion_ids: list[str
 # offsets commit with the rows); when one is not (a producer resent it, or an id conflicts), a unique
 # index refuses the insert, the savepoint is rolled back, and the batch goes through temp tables and
 # INSERT ... SELECT ... ON CONFLICT, which sorts duplicates from conflicts. The PostgreSQL server
-# parses nothing but the JSON arrays (once, as the json columns require). Its CPU per event in a
-# 50k-event backlog run: 27 us staging whole JSON documents and extracting the columns with
-# ``json_populate_record`` (each document parsed three times); 17.5 us with typed rows through temp
-# tables and ON CONFLICT (which probes every unique index before each insert); 12.4 us with this.
+# parses nothing but the JSON arrays (once, as the json columns require). The alternatives cost the
+# server more CPU per event: staging whole JSON documents and extracting the columns with
+# ``json_populate_record`` parses each document three times, and typed rows through temp tables with
+# ON CONFLICT probe every unique index before each insert (`rtrl bench ingest` measures the path).
 _STAGED_COLUMNS = {"completions": COMPLETION_COLUMNS, "feedback": FEEDBACK_COLUMNS}
 _RETURNING = {"completions": "completion_id", "feedback": "completion_id"}
 _CONFLICT = {"completions": "", "feedback": "(event_id)"}
@@ -343,8 +343,8 @@ def _sqlite_insert_rows(cursor: sqlite3.Cursor, table: str, rows: Iterable[tuple
     """``rows`` into ``table`` by multi-row ``INSERT ... VALUES`` statements of up to
     ``_SQLITE_ROWS_PER_INSERT`` rows, not ``executemany``. The driver releases the GIL around every
     ``sqlite3_step`` and ``executemany`` steps once per row: each row then waited for the GIL while the
-    ingester's main thread decoded the next batch (~55 us a row instead of ~4 with a busy main thread,
-    measured), so the two threads ran one after the other. One statement binds its rows holding the
+    ingester's main thread decoded the next batch (a row took many times as long as with an idle main
+    thread), so the two threads ran one after the other. One statement binds its rows holding the
     GIL and then inserts them all in one step without it. Remainders go in power-of-two shapes, so a
     few prepared statements serve every batch (the driver caches them by text)."""
     width = len(_STAGED_COLUMNS[table])
@@ -373,7 +373,7 @@ def _sqlite_values_insert(table: str, width: int, n_rows: int) -> str:
     (every page it changes copied first, so that it can undo itself), which made it slower than
     ``executemany``; a failed statement here rolls back to the caller's savepoint anyway. The
     timestamp is one parameter shared by the rows (``?NNN`` numbered parameters would do the same,
-    but compiling a 1024-row statement with them took ~0.1 s against ~10 ms)."""
+    but SQLite compiles a statement of many rows with them far more slowly)."""
     cols = ", ".join(f'"{c}"' for c in _STAGED_COLUMNS[table])
     row = "(" + ", ".join("?" * width) + ")"
     return f"INSERT OR FAIL INTO {table} ({cols}, ingested_at) SELECT *, ? FROM (VALUES {', '.join([row] * n_rows)})"
@@ -478,11 +478,11 @@ def _sqlite_join(conn: sa.Connection, touched: list[str], new_completion_ids: li
     returns (examples joined, feedback ids left pending).
 
     No statement returns a row per id: the driver releases and retakes the GIL for every row it
-    steps through, and while the main thread decodes the next batch each retake waits (the join's
-    ``RETURNING`` cost ~0.5 ms a row then). The joined count is the upsert's change count; a feedback
-    id joins exactly when its completion is stored (its newest judgement is flagged by now), so the
-    ids left pending are those without one, found by the database in one row. A pending id only ever
-    lacked its completion, so the ones that just joined are among this batch's new completions."""
+    steps through, and while the main thread decodes the next batch each retake waits (as the join's
+    ``RETURNING`` did, once for every row it returned). The joined count is the upsert's change count;
+    a feedback id joins exactly when its completion is stored (its newest judgement is flagged by now),
+    so the ids left pending are those without one, found by the database in one row. A pending id only
+    ever lacked its completion, so the ones that just joined are among this batch's new completions."""
     stamp = sqlite_timestamp(now)
     joined = conn.exec_driver_sql(_SQLITE_EXAMPLES, (stamp, json_text(touched))).rowcount
     pending = 0
@@ -508,11 +508,11 @@ _EXAMPLE_TARGET = (*_EXAMPLE_FROM_COMPLETION, *_EXAMPLE_FROM_FEEDBACK, "feedback
 # tables for every batch while their statistics were missing (fresh tables until autovacuum analyses
 # them), which grows with the table; this does not.
 # Long id lists travel to PostgreSQL as one JSON array: pydantic-core encodes it in C, where the
-# driver's array adapter quoted each element in Python (~0.5 us an id, thousands per batch).
+# driver's array adapter quoted each element in Python (thousands of ids per batch).
 # The pending_feedback moves ride in the same statement (two round trips fewer per batch); the
 # joined ids come from the INSERT's RETURNING, so "waiting" is exactly the feedback ids that did not
-# join, as before. Only the two counts come back: thousands of returned ids cost the commit thread
-# ~0.5 us each in the driver and SQLAlchemy's rows, holding the GIL the main thread decodes with.
+# join, as before. Only the two counts come back: thousands of returned ids would cost the commit
+# thread Python work per id in the driver and SQLAlchemy's rows, holding the GIL the main thread decodes with.
 # Data-modifying CTEs share one snapshot; these touch disjoint rows. The DELETE is a join (hashed or
 # index-probed), not ``= ANY(array)``: a runtime array is searched linearly per row.
 _PG_JOIN = f"""

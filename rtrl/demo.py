@@ -73,7 +73,7 @@ class DemoError(RuntimeError):
 
 @dataclass(frozen=True)
 class DemoPlan:
-    """Sizes of one demo run. ``fast`` is the CI path; the default fits ~15 minutes on 2 cores."""
+    """Sizes of one demo run. ``fast`` is the CI path; the default is sized for a short run on 2 cores."""
 
     offline_preset: str | None
     releases: int

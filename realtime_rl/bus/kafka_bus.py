@@ -34,9 +34,9 @@ from realtime_rl.config import BusSettings
 
 FETCH_MAX_WAIT_MS = 100
 """Longest a fetch waits at the broker for data. Apache Kafka answers as soon as data arrives, but the
-Tansu test broker answers an empty fetch only about halfway through its wait: at kafka-python's
-usual 500 ms every event reached the consumer ~250 ms late (measured), at 100 ms ~10 ms late. An
-idle consumer pays ~10 empty fetches a second."""
+Tansu test broker answers an empty fetch only about halfway through its wait, so at kafka-python's
+usual 500 ms every event reached the consumer late by a large part of that wait; a short wait keeps
+the delay small. The price is that an idle consumer makes one empty fetch per wait."""
 
 
 def client_config(settings: BusSettings) -> dict[str, Any]:
@@ -126,7 +126,8 @@ class KafkaBusProducer(BusProducer):
         producer = self._client()
         try:
             # Keyed: the partition kafka-python's default partitioner would pick, by the faster
-            # murmur2 the embedded bus uses (~10% of a send's CPU); unkeyed: left to kafka-python.
+            # murmur2 the embedded bus uses (hashing is a visible part of a send's CPU); unkeyed: left
+            # to kafka-python.
             partition = None if key is None else kafka_partition(key, len(producer.partitions_for(topic)))
             future = producer.send(topic, value=value, key=key, partition=partition)
         except (KafkaError, OSError) as err:

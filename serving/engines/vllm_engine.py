@@ -14,9 +14,9 @@ pins only reach production then). On CUDA each ``LLM`` gets half of
 ``serving.vllm_gpu_memory_utilization`` when a canary is configured, so that both fit (not run
 here: no GPU). The candidate's ``LLM`` is created on the first candidate load, in the
 engine thread (vLLM's forward context is process-global: building an engine in another thread while
-one generates breaks the running one), which pauses serving once for the engine start-up (about
-0.4 s on CPU with the tiny model; the first ``LLM`` of a process takes seconds). It is then kept,
-idle when the channel is dropped, so later candidates are in-place reloads.
+one generates breaks the running one), which pauses serving once for the engine start-up (a shorter
+one than the first ``LLM`` of a process takes). It is then kept, idle when the channel is dropped, so
+later candidates are in-place reloads.
 
 Swaps load the new version's tensors off the serving path, then, between batches, put them into the
 running engine with :func:`policy.vllm_runtime.reload_weights` (the in-place reload and what it misses:
