@@ -121,8 +121,8 @@ def test_online_update_replays_the_logged_routes(logged, tiny_moe_dir, monkeypat
         calls.append((kw.get("routes"), kw.get("replay"), kw.get("grad", False)))
         return original(model, prompts, comps, **kw)
 
-    # The updater imports sequence_logprobs when it runs, so the spy sees each of its forward passes.
-    monkeypatch.setattr(lp, "sequence_logprobs", spy)
+    # The spy replaces the updater's own reference, so it sees each of its forward passes.
+    monkeypatch.setattr(update_mod, "sequence_logprobs", spy)
 
     def run(which: str, subset):
         policy = load_policy(tiny_moe_dir)
