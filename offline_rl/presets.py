@@ -20,7 +20,7 @@ FUNCTIONS: dict[str, dict[str, Any]] = {
     "midtrain": {"steps": 400, "agent_share": 0.0, "batch_tokens": 2880},
     "grpo": {"steps": 40, "prompts_per_step": 48, "lr": 3e-2, "warmup_steps": 5, "trainable": "norm",
              "max_new_tokens": 32, "eval_every": 10, "micro_batch": 64},
-    "eval": {"gate_threshold": 0.45, "gate_min_gain": None, "samples": 8, "k": [1, 4, 8]},
+    "eval": {"gate_threshold": 0.3, "gate_min_gain": None, "samples": 8, "k": [1, 4, 8]},
 }
 
 # section -> field -> value

@@ -157,8 +157,9 @@ def stage_grpo(s: Settings, log: Callable[[str], None], init_dir: str) -> dict[s
     summary = result.summary()
     summary["evals"] = result.evals
     if not result.published_version:
-        raise DemoError(f"grpo: held-out pass@1 {summary['pass_at_1_after']} never reached the gate "
-                        f"{s.eval.gate_threshold} in {result.steps} steps; nothing was published. "
+        raise DemoError(f"grpo: held-out pass@1 went from {summary['pass_at_1_before']} (mid-trained) to "
+                        f"{summary['pass_at_1_after']} and never reached the gate {s.eval.gate_threshold} in "
+                        f"{result.steps} steps; nothing was published. "
                         "Raise grpo.steps or lower eval.gate_threshold, then rerun (finished stages are kept).")
     serving = result.final_version or result.published_version
     log(f"grpo: version {result.published_version} passed the gate at step {result.published_step}"
