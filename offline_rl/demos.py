@@ -21,8 +21,9 @@ Only training tasks are used, so no held-out function or its solution is in the 
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from offline_rl.agent_env import RepoEnv, RepoState, TrustedTests, header
@@ -179,6 +180,28 @@ def transcripts(n: int, seed: int = 0, heldout_fraction: float = 0.2,
         family = FAMILIES[i % len(FAMILIES)]
         spec = train_specs[rng.randrange(len(train_specs))]
         task = make_repo_task(family, spec, train_specs, rng, f"demo-{i}", "train")
+        yield demo.episode(task)
+
+
+def task_transcripts(tasks: Sequence[RepoTask], habits: DemoHabits | None = None, seed: int = 0,
+                     split_seed: int = 0, heldout_fraction: float = 0.2) -> Iterator[list[Segment]]:
+    """Endless transcripts of the given training tasks, in turn, habits drawn afresh per episode
+    (``seed``): to teach the protocol on one chosen task set instead of freshly drawn tasks. Only
+    generated tasks of the built-in families can be demonstrated (the demonstrator needs the
+    reference body); its wrong fixes come from the training functions of the tasks' split
+    (``split_seed``, ``heldout_fraction``)."""
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("no tasks to demonstrate")
+    for t in tasks:
+        if t.family not in FAMILIES or "reference" not in t.metadata:
+            raise ValueError(f"task {t.task_id}: only generated tasks of the families {', '.join(FAMILIES)} "
+                             "can be demonstrated")
+        if t.split == "heldout":
+            raise ValueError(f"task {t.task_id} is held out: transcripts would show its solution")
+    train_specs, _ = split_specs(split_seed, heldout_fraction)
+    demo = Demonstrator(habits or DemoHabits(), train_specs, random.Random(seed + 50_021))
+    for task in itertools.cycle(tasks):
         yield demo.episode(task)
 
 

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from offline_rl.config import OfflineSettings
-from offline_rl.corpus import midtrain_batches
+from offline_rl.corpus import midtrain_batches, token_batches
+from offline_rl.demos import Segment
 from offline_rl.evaluate import evaluate_settings
 from policy.distributed import DataParallel, setup
 from policy.loading import load_policy
@@ -86,7 +87,9 @@ def _loop(model, opt, batches: Iterator[list[list[int]]], pad_id: int, device: s
             break
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = next(batches)
+        batch = next(batches, None)
+        if batch is None:
+            raise ValueError(f"the mid-training documents ran out after {step} steps")
         rows = dp.rows(batch)
         opt.zero_grad(set_to_none=True)
         dp.begin_backward(model)
@@ -113,28 +116,31 @@ def _loop(model, opt, batches: Iterator[list[list[int]]], pad_id: int, device: s
 
 def run_midtrain(settings: OfflineSettings, init_dir: str | Path | None = None, out_dir: str | Path | None = None,
                  progress: bool = True, log: Callable[[str], None] | None = None,
-                 on_step: Callable[[int, object], None] | None = None, *, seconds: float | None = None) -> Path:
+                 on_step: Callable[[int, object], None] | None = None, *, seconds: float | None = None,
+                 documents: Iterable[list[Segment]] | None = None) -> Path:
     """Train from ``init_dir`` (default ``model.dir``) and save an HF directory; returns its path.
 
     ``midtrain.steps`` steps on the configured schedule, or, with ``seconds``, the control's warm
     restart for that long (see the module docstring). Writes ``midtrain.json`` beside the weights
     (loss summary, steps, seconds and, with ``eval_at_end``, held-out success). ``on_step(step,
     model)`` is called after every optimizer step. The loop runs on ``midtrain.threads``; the
-    caller's torch thread count is restored on return or error.
+    caller's torch thread count is restored on return or error. ``documents``: train on these
+    instead of the configured corpus (e.g. :func:`offline_rl.demos.task_transcripts` of one task
+    set); they must last for every step.
 
     Under torchrun (``distributed``) every rank trains on its rows of each global batch with FSDP2
     (policy/distributed.py); rank 0 writes the directory and ``midtrain.json`` and evaluates, the
     other ranks return once the weights are saved."""
     caller_threads = torch.get_num_threads()
     try:
-        return _midtrain(settings, init_dir, out_dir, progress, log, on_step, seconds)
+        return _midtrain(settings, init_dir, out_dir, progress, log, on_step, seconds, documents)
     finally:
         torch.set_num_threads(caller_threads)
 
 
 def _midtrain(settings: OfflineSettings, init_dir: str | Path | None, out_dir: str | Path | None, progress: bool,
               log: Callable[[str], None] | None, on_step: Callable[[int, object], None] | None,
-              seconds: float | None) -> Path:
+              seconds: float | None, documents: Iterable[list[Segment]] | None) -> Path:
     cfg = settings.midtrain
     dp = setup(settings.distributed, settings.model.device)
     threads = cfg.threads or max(1, len(os.sched_getaffinity(0)) // dp.local_world)
@@ -144,7 +150,8 @@ def _midtrain(settings: OfflineSettings, init_dir: str | Path | None, out_dir: s
     model, tok = dp.shard(policy.model), policy.tokenizer
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    batches = midtrain_batches(tok, cfg, settings.tasks)
+    batches = (midtrain_batches(tok, cfg, settings.tasks) if documents is None
+               else token_batches(tok, documents, cfg.batch_tokens))
     if seconds is None:
         def lr_at(step: int, _elapsed: float) -> float:
             return cfg.lr * lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
