@@ -24,14 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from offline_rl.compare import compare_models, grid_temperatures
 from offline_rl.corpus import build_default_model
-from offline_rl.evaluate import GridResult, paired_gain, temperature_grid
 from offline_rl.grpo import run_grpo
 from offline_rl.midtrain import continue_midtrain, run_midtrain
 from offline_rl.presets import apply_overrides
-from offline_rl.sandbox import SandboxPool
-from offline_rl.splits import load_split
-from policy.loading import load_policy
 
 QUICK = {
     "tiny": {"corpus_examples": 600},
@@ -53,16 +50,6 @@ def _configure(settings, quick: bool, work: Path):
     return s
 
 
-def _best(grid: GridResult) -> dict[str, Any]:
-    r = grid.best
-    return {"t": grid.best_t, "pass_at_1": round(r.pass_at_1, 4), "ci95": [round(x, 4) for x in r.ci95]}
-
-
-def _gain(a: GridResult, b: GridResult) -> dict[str, Any]:
-    g = paired_gain(a.best, b.best)
-    return {"gain": round(g["gain"], 4), "ci95": [round(x, 4) for x in g["ci95"]], "tasks": g["tasks"]}
-
-
 def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         from_dir: str | None = None) -> dict[str, Any]:
     """The comparison; ``from_dir``: a mid-trained model to start from (steps 1 skipped, its recorded
@@ -72,8 +59,7 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         work = Path(tmp) if quick else Path(settings.var_dir) / "bench" / "learning"
         work.mkdir(parents=True, exist_ok=True)
         s = _configure(settings, quick, work)
-        temps = sorted(set(s.eval.temperatures) | {s.eval.temperature}, reverse=True)
-        log(f"learning: env={s.env.kind}, temperatures {temps}, work dir {work}")
+        log(f"learning: env={s.env.kind}, temperatures {grid_temperatures(s)}, work dir {work}")
         if from_dir:
             mid = Path(from_dir)
             record = json.loads((mid / "midtrain.json").read_text()) if (mid / "midtrain.json").is_file() else {}
@@ -91,35 +77,26 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         grpo_s = time.perf_counter() - t0
         log(f"learning: GRPO took {grpo_s:.0f}s; the control mid-trains for as long")
         control = continue_midtrain(s, mid, work / "control", seconds=grpo_s, progress=not quick, log=log)
-        heldout = load_split(s.tasks, s.env).heldout
-        grids: dict[str, GridResult] = {}
-        with SandboxPool(s.sandbox) as sandbox:
-            for name, path in (("midtrain", mid), ("control", control), ("grpo", grpo.final_dir)):
-                policy = load_policy(path, "float32", s.model.device)
-                grids[name] = temperature_grid(s, policy.model, policy.tokenizer, temps, tasks=heldout, sandbox=sandbox)
-                log(f"learning: {name}: " + ", ".join(f"T={t}: {r.pass_at_1:.3f}" for t, r in grids[name].results.items()))
-    serving_t = s.eval.temperature
-    grpo_serving = grids["grpo"].results.get(serving_t)
+        cmp = compare_models(s, {"midtrain": mid, "control": control, "grpo": grpo.final_dir}, "grpo",
+                             log=lambda m: log(f"learning: {m}")).to_dict()
     return {
         "env": s.env.kind,
-        "temperatures": temps,
-        "serving_t": serving_t,
-        "midtrain_best_t": _best(grids["midtrain"]),
-        "control_best_t": _best(grids["control"]),
-        "grpo_best_t": _best(grids["grpo"]),
-        "grpo_at_serving_t": round(grpo_serving.pass_at_1, 4) if grpo_serving else None,
-        "gain_vs_midtrain": _gain(grids["grpo"], grids["midtrain"])["gain"],
-        "gain_vs_control": _gain(grids["grpo"], grids["control"])["gain"],
-        "gain_vs_midtrain_detail": _gain(grids["grpo"], grids["midtrain"]),
-        "gain_vs_control_detail": _gain(grids["grpo"], grids["control"]),
-        "pass_at_1_by_t": {name: {str(t): round(r.pass_at_1, 4) for t, r in g.results.items()}
-                           for name, g in grids.items()},
-        "behaviours": {"before": grids["midtrain"].best.behaviour, "after": grids["grpo"].best.behaviour,
-                       "before_at_serving_t": grids["midtrain"].results[serving_t].behaviour
-                       if serving_t in grids["midtrain"].results else {},
-                       "after_at_serving_t": grpo_serving.behaviour if grpo_serving else {}},
-        "heldout_tasks": len(heldout),
-        "samples_per_task": s.eval.samples,
+        "temperatures": cmp["temperatures"],
+        "serving_t": cmp["serving_t"],
+        "midtrain_best_t": cmp["best_t"]["midtrain"],
+        "control_best_t": cmp["best_t"]["control"],
+        "grpo_best_t": cmp["best_t"]["grpo"],
+        "grpo_at_serving_t": cmp["subject_at_serving_t"],
+        "gain_vs_midtrain": cmp["gains"]["midtrain"]["gain"],
+        "gain_vs_control": cmp["gains"]["control"]["gain"],
+        "gain_vs_midtrain_detail": cmp["gains"]["midtrain"],
+        "gain_vs_control_detail": cmp["gains"]["control"],
+        "pass_at_1_by_t": cmp["pass_at_1_by_t"],
+        "behaviours": {"before": cmp["behaviours"]["midtrain"], "after": cmp["behaviours"]["grpo"],
+                       "before_at_serving_t": cmp["behaviours_at_serving_t"].get("midtrain", {}),
+                       "after_at_serving_t": cmp["behaviours_at_serving_t"].get("grpo", {})},
+        "heldout_tasks": cmp["heldout_tasks"],
+        "samples_per_task": cmp["samples_per_task"],
         "midtrain_steps": s.midtrain.steps,
         "midtrain_s": round(midtrain_s, 1),
         "grpo_steps": grpo.steps,

@@ -239,6 +239,7 @@ def eval_cmd(
 
     import torch
 
+    from offline_rl.compare import grid_temperatures
     from offline_rl.evaluate import paired_gain, temperature_grid
     from offline_rl.presets import apply_preset
     from offline_rl.sandbox import SandboxPool
@@ -254,7 +255,7 @@ def eval_cmd(
     if model is None:
         final = Path(settings.grpo.out_dir) / "final"
         model = str(final) if final.is_dir() else settings.model.dir
-    grid_t = sorted(set(temperatures or settings.eval.temperatures) | {settings.eval.temperature}, reverse=True)
+    grid_t = grid_temperatures(settings, temperatures)
     tsplit = load_split(settings.tasks, settings.env)
     tasks = tsplit.heldout if split == "heldout" else tsplit.train
     if limit:

@@ -4,16 +4,19 @@ Stages, each resumable (a finished stage is recorded in ``var/demo/state.json`` 
 next run; an interrupted one starts again):
 
 1. ``model``     build the tiny default model (``rtrl init-model``) unless ``model.dir`` holds one;
-2. ``midtrain``  next-token training on the synthetic corpus: capable, still below the gate;
+2. ``midtrain``  next-token training on the synthetic corpus: capable, usually still below the gate;
 3. ``grpo``      offline GRPO in the sandboxed environment until held-out pass@1 passes
                  ``eval.gate_threshold``; that checkpoint is published to the registry and promoted
                  to ``production`` (version 1);
-4. ``online``    start the gateway (serving ``production``), the ingester and the update scheduler,
+4. ``controls``  is the gain learning? The matched-compute control (mid-training continued for
+                 GRPO's wall time), then the mid-trained model, the control and GRPO's final
+                 checkpoint at every temperature of ``eval.temperatures``, each judged at its best;
+5. ``online``    start the gateway (serving ``production``), the ingester and the update scheduler,
                  in background threads; simulated users send completions with the official
                  ``openai`` client and feedback through ``/v1/feedback``; the scheduler's cycles
                  train candidates, gate them, and promote the ones that pass; the gateway hot-swaps
                  them in. The stage ends after ``releases`` real-time releases (or its time budget);
-5. ``report``    ``var/report/index.html`` with the plots, and a summary table in the terminal.
+6. ``report``    ``var/report/index.html`` with the plots, and a summary table in the terminal.
 
 This module only orchestrates: every computation happens in the package that owns it.
 """
@@ -38,9 +41,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from offline_rl.compare import compare_models
 from offline_rl.corpus import build_default_model
 from offline_rl.grpo import run_grpo
-from offline_rl.midtrain import run_midtrain
+from offline_rl.midtrain import continue_midtrain, run_midtrain
 from offline_rl.presets import apply_preset
 from offline_rl.tasks import generate_tasks
 from policy.registry import Registry
@@ -64,7 +68,7 @@ from rtrl.report import (
 from serving.auth import issue_key
 from serving.server import GatewayServer
 
-STAGES = ("model", "midtrain", "grpo", "online", "report")
+STAGES = ("model", "midtrain", "grpo", "controls", "online", "report")
 
 
 class DemoError(RuntimeError):
@@ -166,6 +170,25 @@ def stage_grpo(s: Settings, log: Callable[[str], None], init_dir: str) -> dict[s
         + (f"; the better final checkpoint {serving} superseded it" if result.final_version else "")
         + f"; {serving} serves as production")
     return summary
+
+
+def stage_controls(s: Settings, log: Callable[[str], None], mid_dir: str, grpo: dict[str, Any]) -> dict[str, Any]:
+    """The learning claim's controls: mid-training continued from the same checkpoint for GRPO's wall
+    time (its evaluations included, which favours the control), then the mid-trained model, that
+    control and GRPO's final checkpoint on the held-out tasks at every temperature of the grid."""
+    if grpo.get("skipped"):
+        return {"skipped": True}
+    seconds = float(grpo["wall_s"])
+    log(f"controls: mid-training on from {mid_dir} for GRPO's {seconds:.0f} s (the matched-compute control)")
+    control = continue_midtrain(s, mid_dir, Path(s.var_dir) / "runs" / "control", seconds=seconds, log=log)
+    cmp = compare_models(s, {"midtrain": mid_dir, "control": control, "grpo": grpo["final_dir"]}, "grpo",
+                         log=lambda m: log(f"controls: {m}"))
+    out = {**cmp.to_dict(), "control_dir": str(control), "control_seconds": round(seconds, 1)}
+    gains = out["gains"]
+    log("controls: GRPO at its best temperature "
+        + ", ".join(f"{g['gain']:+.3f} [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] over the {name}"
+                    for name, g in (("mid-trained model", gains["midtrain"]), ("control", gains["control"]))))
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -351,6 +374,8 @@ def gather_report(s: Settings, state: DemoState):
     data = ReportData(gate=s.eval.gate_threshold, pass_before=grpo.get("pass_at_1_before"),
                       pass_after=grpo.get("pass_at_1_after"))
     data.grpo_curve = [(e["step"], e["pass_at_1"]) for e in grpo.get("evals", [])]
+    controls = state.done("controls") or {}
+    data.controls = None if controls.get("skipped") or "gains" not in controls else controls
     data.swap_pauses_ms = [w["pause_ms"] for w in online.get("swaps", []) if w.get("pause_ms") is not None]
     data.stage_seconds = {k: v.get("seconds", 0.0) for k, v in state.data["stages"].items()}
 
@@ -461,6 +486,9 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
                 outputs.update(stage_midtrain(s, log))
             elif stage == "grpo":
                 outputs.update(stage_grpo(s, log, (state.done("midtrain") or {})["dir"]))
+            elif stage == "controls":
+                outputs.update(stage_controls(s, log, (state.done("midtrain") or {}).get("dir", ""),
+                                              state.done("grpo") or {}))
             elif stage == "online":
                 # Kept outside the stage record so that an interrupted online stage, rerun, still
                 # counts the releases it already made.
@@ -486,6 +514,8 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
         "published_step": grpo.get("published_step"),
         "published_pass_at_1": next((e["pass_at_1"] for e in grpo.get("evals", [])
                                      if e["step"] == grpo.get("published_step")), None),
+        "controls": {k: data.controls[k] for k in ("temperatures", "best_t", "pass_at_1_by_t", "gains",
+                                                    "control_seconds")} if data.controls else None,
         "realtime_releases": len(online.get("releases", [])),
         "failed_requests": online.get("failed_requests"),
         "report": str(Path(index).resolve()),

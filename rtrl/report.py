@@ -10,6 +10,7 @@ import html
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -43,6 +44,9 @@ class ReportData:
     swap_pauses_ms: list[float] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     gate_decisions: list[dict[str, str]] = field(default_factory=list)
+    controls: dict[str, Any] | None = None
+    """The ``controls`` stage (:meth:`offline_rl.compare.Comparison.to_dict` plus ``control_seconds``):
+    GRPO against the mid-trained model and the matched-compute control, each at its best temperature."""
     mismatch: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per stage (offline GRPO, real-time updates): the train/inference gap metrics averaged over its
     steps or update runs (:func:`summarise_mismatch`)."""
@@ -245,6 +249,7 @@ td, th {{ border-bottom: 1px solid #e5e5e5; padding: .3rem .5rem; text-align: le
 <div>{_fmt(max(data.swap_pauses_ms) if data.swap_pauses_ms else None, 1)} ms<span>longest swap pause</span></div>
 </div>
 <div class="grid">{imgs}</div>
+{_controls_table(data)}
 <h2>Versions</h2>
 <table><thead><tr><th>version</th><th>stage</th><th>released</th><th>offline pass@1</th><th>accept rate</th>
 <th>95% CI</th><th>feedback</th><th>OPE estimate</th><th>note</th></tr></thead>
@@ -261,6 +266,32 @@ replayed, and the share of (position, layer) routes the trainer would choose dif
     (out / "index.html").write_text(page, encoding="utf-8")
     (out / "report.json").write_text(json.dumps(asdict(data), indent=2, default=str))
     return out / "index.html"
+
+
+CONTROL_LABELS = {"midtrain": "mid-trained (start)", "control": "matched-compute control", "grpo": "GRPO (final)"}
+
+
+def _controls_table(data: ReportData) -> str:
+    """Each model's held-out pass@1 at every temperature (its best in bold), then GRPO's paired gains."""
+    c = data.controls
+    if not c:
+        return ""
+    temps = c["temperatures"]
+    head = "".join(f"<th>T={t}</th>" for t in temps)
+    rows = []
+    for name, by_t in c["pass_at_1_by_t"].items():
+        best = c["best_t"][name]
+        cells = "".join((f"<td><b>{_fmt(by_t[str(t)])}</b> [{_fmt(best['ci95'][0])}, {_fmt(best['ci95'][1])}]</td>"
+                         if t == best["t"] else f"<td>{_fmt(by_t[str(t)])}</td>") for t in temps)
+        rows.append(f"<tr><td>{html.escape(CONTROL_LABELS.get(name, name))}</td>{cells}</tr>")
+    gains = "; ".join(f"{g['gain']:+.3f} [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] over the "
+                      f"{html.escape(CONTROL_LABELS.get(name, name))}" for name, g in c["gains"].items())
+    return f"""<h2>Is it learning?</h2>
+<p>Held-out pass@1 ({c["heldout_tasks"]} tasks x {c["samples_per_task"]} samples) at each sampling temperature;
+bold: each model's best, with its 95% interval. The control mid-trained on from the same checkpoint for
+GRPO's wall time ({c["control_seconds"]:.0f} s). GRPO at its best temperature, paired per task: {gains}.
+A gain that a lower temperature or more mid-training gives as well is not a learning result.</p>
+<table><thead><tr><th>model</th>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>"""
 
 
 def _online_tables(data: ReportData) -> str:
@@ -318,5 +349,11 @@ def print_summary(data: ReportData, stderr: bool = False) -> None:
     if refused:
         console.print(f"gate refused {len(refused)} of {len(data.gate_decisions)}: "
                       + "; ".join(f"{d['version'][:8]}: {d['reason'][:90]}" for d in refused))
+    if data.controls:
+        best = data.controls["best_t"]
+        console.print("best temperature: " + ", ".join(
+            f"{CONTROL_LABELS.get(n, n)} {_fmt(b['pass_at_1'])} (T={b['t']})" for n, b in best.items())
+            + "; GRPO's gains: " + ", ".join(f"{g['gain']:+.3f} [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] over the "
+                                            f"{CONTROL_LABELS.get(n, n)}" for n, g in data.controls["gains"].items()))
     console.print(f"held-out pass@1 {_fmt(data.pass_before)} → {_fmt(data.pass_after)} (gate {data.gate:.2f}); "
                   f"stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in data.stage_seconds.items()))

@@ -56,8 +56,17 @@ def test_each_stage_reaches_its_outcome(demo_run):
     assert len(served) >= 3, _online_log(stderr)  # v1 and two real-time releases were judged by users
     for v in summary["versions"][1:]:
         assert v["offline_pass_at_1"] is not None and v["offline_pass_at_1"] >= summary["gate"] - 0.1
+    # The controls stage: three models on one temperature grid, each one's best the maximum of its
+    # row, and GRPO's paired gains over the mid-trained model and the matched-compute control.
+    c = summary["controls"]
+    assert set(c["pass_at_1_by_t"]) == {"midtrain", "control", "grpo"} and c["control_seconds"] > 0
+    for name, by_t in c["pass_at_1_by_t"].items():
+        assert set(by_t) == {str(t) for t in c["temperatures"]}
+        assert c["best_t"][name]["pass_at_1"] == max(by_t.values()) == by_t[str(c["best_t"][name]["t"])]
+    assert set(c["gains"]) == {"midtrain", "control"}
+    assert all(g["ci95"][0] <= g["gain"] <= g["ci95"][1] for g in c["gains"].values())
     state = json.loads((work / "var" / "demo" / "state.json").read_text())
-    assert set(state["stages"]) == {"model", "midtrain", "grpo", "online", "report"}
+    assert set(state["stages"]) == {"model", "midtrain", "grpo", "controls", "online", "report"}
 
 
 def test_report_files_exist_and_plots_are_not_empty(demo_run):
@@ -65,6 +74,7 @@ def test_report_files_exist_and_plots_are_not_empty(demo_run):
     report = work / "var" / "report"
     assert Path(summary["report"]).resolve() == (report / "index.html").resolve()
     page = (report / "index.html").read_text()
+    assert "Is it learning?" in page and "matched-compute control" in page
     for name in PLOTS:
         assert f'src="{name}"' in page
         assert _ink(report / name) > 0.03, name
@@ -98,7 +108,7 @@ def test_rerun_resumes_from_finished_stages(demo_run):
     proc = subprocess.run([sys.executable, "-m", "rtrl", "demo", "--fast", "--json"], cwd=work, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for stage in ("model", "midtrain", "grpo", "online", "report"):
+    for stage in ("model", "midtrain", "grpo", "controls", "online", "report"):
         assert f"[{stage}] already done" in proc.stderr
     again = json.loads(proc.stdout.strip().splitlines()[-1])
     assert again["this_run_s"] < 60
