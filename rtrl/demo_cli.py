@@ -25,8 +25,10 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="End with one JSON line summarising the run."),
         config: str | None = typer.Option(None, "--config", "-c", help="TOML settings file."),
     ) -> None:
-        """Run the whole lifecycle: tiny model → mid-train → GRPO to the gate → serve → simulated users →
-        real-time releases → report (var/report/index.html). Interrupt and rerun to resume."""
+        """Run the whole lifecycle: tiny model → mid-train → GRPO to the gate → controls (the mid-trained
+        model and a matched-compute control beside GRPO, each at its best temperature; about GRPO's time
+        again) → serve → simulated users → real-time releases → report (var/report/index.html).
+        Interrupt and rerun to resume."""
         from rtrl.demo import DemoError, run_demo
 
         settings = settings_or_exit(ctx, config)
