@@ -59,6 +59,7 @@ from rtrl.config import Settings
 from rtrl.report import (
     ReportData,
     VersionRow,
+    gains_text,
     online_summary,
     print_summary,
     summarise_mismatch,
@@ -184,10 +185,7 @@ def stage_controls(s: Settings, log: Callable[[str], None], mid_dir: str, grpo: 
     cmp = compare_models(s, {"midtrain": mid_dir, "control": control, "grpo": grpo["final_dir"]}, "grpo",
                          log=lambda m: log(f"controls: {m}"))
     out = {**cmp.to_dict(), "control_dir": str(control), "control_seconds": round(seconds, 1)}
-    gains = out["gains"]
-    log("controls: GRPO at its best temperature "
-        + ", ".join(f"{g['gain']:+.3f} [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] over the {name}"
-                    for name, g in (("mid-trained model", gains["midtrain"]), ("control", gains["control"]))))
+    log(f"controls: GRPO at its best temperature, paired per task: {gains_text(out['gains'])}")
     return out
 
 

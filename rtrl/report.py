@@ -271,6 +271,12 @@ replayed, and the share of (position, layer) routes the trainer would choose dif
 CONTROL_LABELS = {"midtrain": "mid-trained (start)", "control": "matched-compute control", "grpo": "GRPO (final)"}
 
 
+def gains_text(gains: dict[str, dict]) -> str:
+    """GRPO's paired gains over each control, with their 95% intervals, as one line of text."""
+    return "; ".join(f"{g['gain']:+.3f} [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] over the "
+                     f"{CONTROL_LABELS.get(name, name)}" for name, g in gains.items())
+
+
 def _controls_table(data: ReportData) -> str:
     """Each model's held-out pass@1 at every temperature (its best in bold), then GRPO's paired gains."""
     c = data.controls
@@ -284,8 +290,7 @@ def _controls_table(data: ReportData) -> str:
         cells = "".join((f"<td><b>{_fmt(by_t[str(t)])}</b> [{_fmt(best['ci95'][0])}, {_fmt(best['ci95'][1])}]</td>"
                          if t == best["t"] else f"<td>{_fmt(by_t[str(t)])}</td>") for t in temps)
         rows.append(f"<tr><td>{html.escape(CONTROL_LABELS.get(name, name))}</td>{cells}</tr>")
-    gains = "; ".join(f"{g['gain']:+.3f} [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] over the "
-                      f"{html.escape(CONTROL_LABELS.get(name, name))}" for name, g in c["gains"].items())
+    gains = html.escape(gains_text(c["gains"]))
     return f"""<h2>Is it learning?</h2>
 <p>Held-out pass@1 ({c["heldout_tasks"]} tasks x {c["samples_per_task"]} samples) at each sampling temperature;
 bold: each model's best, with its 95% interval. The control mid-trained on from the same checkpoint for
@@ -353,7 +358,6 @@ def print_summary(data: ReportData, stderr: bool = False) -> None:
         best = data.controls["best_t"]
         console.print("best temperature: " + ", ".join(
             f"{CONTROL_LABELS.get(n, n)} {_fmt(b['pass_at_1'])} (T={b['t']})" for n, b in best.items())
-            + "; GRPO's gains: " + ", ".join(f"{g['gain']:+.3f} [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] over the "
-                                            f"{CONTROL_LABELS.get(n, n)}" for n, g in data.controls["gains"].items()))
+            + "; GRPO's gains: " + gains_text(data.controls["gains"]))
     console.print(f"held-out pass@1 {_fmt(data.pass_before)} → {_fmt(data.pass_after)} (gate {data.gate:.2f}); "
                   f"stages: " + ", ".join(f"{k} {v:.0f}s" for k, v in data.stage_seconds.items()))
