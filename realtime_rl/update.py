@@ -17,8 +17,9 @@ or, with ``clip`` = None, truncated-IS REINFORCE ℓ = −sg(min(ρ, C)) · A ·
 ``policy.losses.reinforce_loss``; k3 is Schulman's KL estimator against the serving weights (β =
 ``kl_coef``, off by default: the ratio clip is the trust region). On top of the clip, the epochs stop
 early once a minibatch's mean k3 KL to the serving version exceeds ``target_kl`` (PPO's target-KL
-rule): the clip only stops the gradient of tokens already outside [1−ε, 1+ε], while shared parameters
-keep moving, so without a KL bound the drift grows with the batch size.
+rule, checked before each step, so the step that would carry the weights further is not taken): the
+clip only stops the gradient of tokens already outside [1−ε, 1+ε], while shared parameters keep
+moving, so without a KL bound the drift grows with the batch size.
 
 Which logged log-prob is μ. The gateway logs ``logprobs`` (raw softmax at temperature 1) and
 ``sampling_logprobs`` (the temperature/top-k/top-p distribution the token was drawn from). The
@@ -195,17 +196,18 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
                 loss_value = float(loss.item()) * share["tokens"]
             m = {k: v * share["own" if k == "kl_to_serving_k3" else "tokens"] for k, v in m.items()}
             dp.end_backward(model)
-            gn = dp.clip_grad_norm(model.parameters(), cfg.max_grad_norm)
+            m = dp.sum_dict({**m, "loss": loss_value})
+            if cfg.target_kl is not None and m["kl_to_serving_k3"] > cfg.target_kl:
+                # The weights are already outside the trust region on this minibatch: stop, without
+                # the step that would carry them further.
+                stopped = True
+                break
+            m["grad_norm"] = dp.clip_grad_norm(model.parameters(), cfg.max_grad_norm)
             opt.step()
             steps += 1
-            m = dp.sum_dict({**m, "loss": loss_value})
-            m["grad_norm"] = gn
             losses.append(m["loss"])
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
-            if cfg.target_kl is not None and m["kl_to_serving_k3"] > cfg.target_kl:
-                stopped = True
-                break
         if stopped:
             log(f"  early stop at epoch {epoch + 1}, step {steps}: KL to the serving version "
                 f"{m['kl_to_serving_k3']:.3f} > target {cfg.target_kl}")
