@@ -163,8 +163,8 @@ class UpdateSettings(Section):
     clip: float | None = Field(0.2, gt=0, description="PPO ratio clip ε around μ (None: truncated-IS REINFORCE).")
     tis_cap: float = Field(2.0, gt=0, description="C: truncation of the importance weight (dual-clip cap).")
     kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL to the serving version (0 = off).")
-    epochs: int = Field(2, ge=1, description="Passes over the batch.")
-    target_kl: float | None = Field(0.1, gt=0, description="Stop the update early once the mean k3 KL to the "
+    epochs: int = Field(3, ge=1, description="Passes over the batch (the target-KL rule may stop it sooner).")
+    target_kl: float | None = Field(0.2, gt=0, description="Stop the update early once the mean k3 KL to the "
                                     "serving version on a minibatch exceeds this (PPO's target-KL rule; bounds "
                                     "the drift however large the batch). None: always run every epoch.")
     minibatch_size: int = Field(64, ge=1, description="Examples per optimizer step.")
@@ -273,7 +273,8 @@ class SimUsersSettings(Section):
                             "kinds follows a cosine over it (0: a fixed uniform mix).")
     traffic_shift: float = Field(0.6, ge=0, le=1, description="Realistic: amplitude of that cosine (0: no shift; "
                                  "1: a task kind's weight swings between 0 and twice the average).")
-    requests_per_cycle: int = Field(768, ge=1, description="Completions requested per simulated cycle.")
+    requests_per_cycle: int = Field(2048, ge=1, description="Completions requested per simulated cycle (`rtrl "
+                                    "bench online`): with sparse feedback, about 1,000 judgements reach each update.")
     concurrency: int = Field(4, ge=1, description="Concurrent requests.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature the users request.")
     max_tokens: int = Field(16, ge=1, description="Completion budget.")

@@ -96,8 +96,9 @@ class DemoPlan:
             # about the requests 256 took when every completion was judged, so CI is not slowed down.
             return DemoPlan(offline_preset="fast", releases=2, online_budget_s=300, update_interval="10s",
                             min_feedback=160, traffic_chunk=64, final_requests=128)
-        return DemoPlan(offline_preset=None, releases=3, online_budget_s=600, update_interval="15s",
-                        min_feedback=384, traffic_chunk=64, final_requests=384)
+        # About a thousand judgements per update: fewer leave each release's step mostly noise.
+        return DemoPlan(offline_preset=None, releases=3, online_budget_s=1500, update_interval="15s",
+                        min_feedback=1024, traffic_chunk=64, final_requests=1024)
 
 
 class DemoState:
