@@ -1,6 +1,6 @@
 """`rtrl bench online`: the real-time RL loop end to end, on the real parts.
 
-Each cell runs K cycles (3 with --quick, else 4) of: simulated users → gateway (openai client, real
+Each cell runs K cycles (3 with --quick, else 5) of: simulated users → gateway (openai client, real
 uvicorn) → event bus → ingest (feedback tables) → single-rollout update → release gate → registry
 promotion → the gateway hot-swaps. A final round of traffic (twice a cycle's) measures the last
 released version. Reported per version: the realised accept rate with a Wilson CI (overall and per
@@ -14,17 +14,20 @@ Cells (each from the same base model, in a directory of its own):
 * ``sabotage``: the realistic population, but every other candidate is broken after training (its
   weights perturbed, or replaced by a regressed checkpoint) before the gate sees it: every broken
   candidate must be refused, and no release may serve worse than its parent;
-* ``simple`` (full run only): today's simple population, for comparison with earlier results.
+* ``simple`` (only when asked for, ``run(cells=...)``): the simple population of earlier results.
 
 The headline (``population`` = realistic) carries the realistic cell's gain and CI separation, the
-adversarial cell's gain, the sabotage counts, and the OPE calibration: the mean absolute error
-between the gate's estimate and the realised accept rate of each released version.
+adversarial cell's gain on its honest users (``relative_gain_adversarial``; the adversarial users'
+verdicts do not depend on the model, so over all users, ``relative_gain_adversarial_all_users``, they
+only dilute it), the sabotage counts, and the OPE calibration: the mean absolute error between the
+gate's estimate and the realised accept rate of each released version.
 
 Everything lives in a fresh directory (``bench_dir`` or a temp dir): its own registry, feedback
 database, bus log, API keys, so a benchmark never touches the user's production channel. The base
 model is, in order: the user's registry ``production`` version, ``grpo.out_dir``/``midtrain.out_dir``
 when they hold a model, else ``model.dir``; if its held-out pass@1 is below ``eval.gate_threshold`` it
-is first mid-trained (``offline_rl.midtrain``) so the online stage starts from a usable model.
+is first mid-trained on the function corpus (``offline_rl.midtrain``, the ``functions`` preset's
+documents) so the online stage starts from a model that can answer the users' requests.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ import torch
 from openai import OpenAI
 
 from offline_rl.corpus import build_default_model
-from offline_rl.midtrain import run_midtrain
+from offline_rl.midtrain import continue_midtrain, run_midtrain
+from offline_rl.presets import FUNCTIONS
 from offline_rl.tasks import generate_tasks
 from policy.loading import load_model, load_policy
 from realtime_rl import tables as t
@@ -50,13 +54,20 @@ from realtime_rl.cycle import run_update_cycle
 from realtime_rl.ingest import Ingester
 from realtime_rl.ope import accept_rate_ci
 from realtime_rl.release import RegistryStore, default_evaluator
-from realtime_rl.simusers import FeedbackBacklog, build_population, register_keys, run_traffic
+from realtime_rl.simusers import (
+    ADVERSARIAL,
+    FeedbackBacklog,
+    build_population,
+    judge_in_process,
+    register_keys,
+    run_traffic,
+)
 from serving.auth import issue_key
 from serving.gateway import Gateway
 from serving.server import GatewayServer
 from serving.versions import VersionRef
 
-MIDTRAIN_STEPS_OVER_GATE = 600  # held-out pass@1 0.63-0.68 on the tiny model (offline_rl/presets.py)
+MIDTRAIN_STEPS_OVER_GATE = 600  # function-corpus steps that take the tiny model well over the gate
 
 
 def _bench_settings(settings, root: Path, quick: bool):
@@ -315,10 +326,18 @@ def _summarise_cell(versions, order, cycles_out, broken, s, never_sent: int) -> 
                              "offline_pass_at_1": rec.get("offline_pass_at_1"),
                              "ope_estimate": rec.get("ope_estimate"), "ope_ci": rec.get("ope_ci"),
                              "ope_ess": rec.get("ope_ess")})
+    for v in out_versions:  # the adversarial users' verdicts do not depend on the model
+        n = sum(k["n"] for kind, k in v["per_kind"].items() if kind not in ADVERSARIAL)
+        a = sum(round(k["n"] * k["accept_rate"]) for kind, k in v["per_kind"].items()
+                if kind not in ADVERSARIAL and k["n"])
+        v["honest"] = {"n": n, "accept_rate": a / n if n else None, "ci": _ci(n, a)}
     by_id = {v["version"]: v for v in out_versions}
     first, last = by_id[order[0]], by_id[order[-1]]
-    gain = ((last["accept_rate"] - first["accept_rate"]) / first["accept_rate"]
-            if first["accept_rate"] and last["accept_rate"] is not None and len(order) > 1 else 0.0)
+
+    def rel_gain(a: float | None, b: float | None) -> float:
+        return (b - a) / a if a and b is not None and len(order) > 1 else 0.0
+
+    gain = rel_gain(first["accept_rate"], last["accept_rate"])
     separated = bool(len(order) > 1 and first["ci"] and last["ci"] and last["ci"][0] > first["ci"][1])
     regressions = [v["version"] for v in out_versions[1:len(order)]
                    if v["broken"] or (v["ci"] and by_id[v["parent"]]["accept_rate"] is not None
@@ -329,6 +348,7 @@ def _summarise_cell(versions, order, cycles_out, broken, s, never_sent: int) -> 
     return {
         "population": s.simusers.population, "adversarial_share": s.simusers.adversarial_share,
         "relative_gain": gain, "ci_separated": separated, "releases": len(order) - 1,
+        "relative_gain_honest": rel_gain(first["honest"]["accept_rate"], last["honest"]["accept_rate"]),
         "first_accept": first["accept_rate"], "first_ci": first["ci"], "last_accept": last["accept_rate"],
         "last_ci": last["ci"],
         "offline_pass_min_released": min((p for p in released_pass if p is not None), default=None),
@@ -340,6 +360,59 @@ def _summarise_cell(versions, order, cycles_out, broken, s, never_sent: int) -> 
     }
 
 
+def _function_midtrain(s, **fields):
+    """``s`` with the functions preset's mid-training corpus (the documents the users' requests are like)."""
+    return s.model_copy(update={"midtrain": s.midtrain.model_copy(update={**FUNCTIONS["midtrain"], **fields})})
+
+
+def _paired(a: list[tuple[str, bool]], b: list[tuple[str, bool]]) -> dict[str, Any]:
+    """b − a over the same planned requests: mean difference with a normal 95% interval."""
+    d = [float(y) - float(x) for (_, x), (_, y) in zip(a, b, strict=True)]
+    mean = sum(d) / len(d)
+    sd = (sum((v - mean) ** 2 for v in d) / max(len(d) - 1, 1)) ** 0.5
+    half = 1.96 * sd / len(d) ** 0.5
+    return {"gain": mean, "ci95": [mean - half, mean + half]}
+
+
+def _controls(s, root: Path, base_dir: Path, cell_s, cell: dict[str, Any], log, n: int) -> dict[str, Any]:
+    """Is the realistic cell's gain learning? The last released version against two controls, each
+    at its own best temperature of ``eval.temperatures``: the base model (a gain that a lower
+    temperature gives as well is not learning) and a matched-compute control, the base mid-trained
+    on (the function corpus) for as long as the cell's updates took. Every model is judged by the same
+    users on the same planned requests in-process (:func:`realtime_rl.simusers.judge_in_process`)."""
+    if cell["releases"] == 0:
+        return {"skipped": "no release"}
+    last = cell["versions"][cell["releases"]]["version"]
+    seconds = sum(c.get("update_s", 0.0) for c in cell["per_cycle"])
+    log(f"controls: mid-training the base for the updates' {seconds:.0f} s (matched compute)")
+    control = continue_midtrain(_function_midtrain(s, eval_at_end=False), base_dir, root / "control",
+                                seconds=seconds, progress=False, log=log)
+    models = {"base": base_dir, "control": control, "last": RegistryStore(cell_s).materialize(last)}
+    su = cell_s.simusers
+    users = build_population(su)
+    tasks = generate_tasks(s.tasks.seed, s.tasks.heldout_fraction).train
+    outcomes: dict[str, dict[float, list[tuple[str, bool]]]] = {}
+    for name, path in models.items():
+        policy = load_policy(path, s.model.dtype, s.model.device)
+        outcomes[name] = {t: judge_in_process(policy.model, policy.tokenizer, users, tasks, n_requests=n,
+                                              temperature=t, max_tokens=su.max_tokens, seed=su.seed + 7919,
+                                              **su.traffic_options())
+                          for t in s.eval.temperatures}
+    rates = {name: {t: sum(a for _, a in o) / len(o) for t, o in grid.items()} for name, grid in outcomes.items()}
+    best_t = {name: max(grid, key=lambda t, g=grid: (g[t], -abs(t - su.temperature))) for name, grid in rates.items()}
+    best = {name: {"accept": rates[name][t], "t": t, "ci95": _ci(n, sum(a for _, a in outcomes[name][t]))}
+            for name, t in best_t.items()}
+    out = {"temperatures": list(s.eval.temperatures), "requests": n, "control_seconds": round(seconds, 1),
+           "accept": {name: {str(t): r for t, r in grid.items()} for name, grid in rates.items()}, "best": best,
+           "last_at_serving_t": rates["last"][su.temperature],
+           "gain_vs_base_best": _paired(outcomes["base"][best_t["base"]], outcomes["last"][best_t["last"]]),
+           "gain_vs_control_best": _paired(outcomes["control"][best_t["control"]], outcomes["last"][best_t["last"]])}
+    log(f"controls: best accept rate, last release {best['last']['accept']:.3f} (T={best_t['last']}), base "
+        f"{best['base']['accept']:.3f} (T={best_t['base']}), control {best['control']['accept']:.3f} "
+        f"(T={best_t['control']})")
+    return out
+
+
 def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycles: int | None = None,
         bench_dir: str | Path | None = None, cells: tuple[str, ...] | None = None) -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -347,9 +420,8 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
     root = Path(bench_dir or tempfile.mkdtemp(prefix="rtrl-online-"))
     root.mkdir(parents=True, exist_ok=True)
     s = _bench_settings(settings, root, quick)
-    K = cycles or (3 if quick else 4)
-    cells = cells or (("realistic", "adversarial", "sabotage") if quick else
-                      ("realistic", "adversarial", "sabotage", "simple"))
+    K = cycles or (3 if quick else 5)
+    cells = cells or ("realistic", "adversarial", "sabotage")
     t_start = time.perf_counter()
 
     base_dir, trained = _base_model(settings, root, log)
@@ -361,9 +433,11 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
     if base_pass < s.eval.gate_threshold and not trained:
         # The default mid-training stops *below* the gate on purpose (GRPO's job is to cross it); the
         # online bench needs a production-grade start without running GRPO, so it trains longer.
-        steps = 200 if quick else max(MIDTRAIN_STEPS_OVER_GATE, s.midtrain.steps)
-        log(f"below the gate: mid-training {steps} steps first")
-        mt = s.model_copy(update={"midtrain": s.midtrain.model_copy(update={"steps": steps, "eval_at_end": False})})
+        steps = 200 if quick else MIDTRAIN_STEPS_OVER_GATE
+        log(f"below the gate: mid-training {steps} steps on the function corpus first")
+        # The simulated users ask for single functions, so the warm-up reads function documents only
+        # (the functions preset's corpus), whatever environment the offline stage is set to.
+        mt = _function_midtrain(s, steps=steps, eval_at_end=False)
         t0 = time.perf_counter()
         base_dir = run_midtrain(mt, init_dir=base_dir, out_dir=root / "midtrain", progress=False, log=log)
         base = load_policy(base_dir, s.model.dtype, s.model.device)
@@ -381,8 +455,11 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
         tc = time.perf_counter()
         cell_root = root / name
         tamper = _sabotage(_regressed_checkpoint(s, cell_root, log), s.update.seed) if name == "sabotage" else None
-        results[name] = run_cell(_cell_settings(s, cell_root, name), cell_root, base_dir, base_pass, evaluator, K,
-                                 log, tamper=tamper)
+        cell_s = _cell_settings(s, cell_root, name)
+        results[name] = run_cell(cell_s, cell_root, base_dir, base_pass, evaluator, K, log, tamper=tamper)
+        if name == "realistic":
+            results[name]["controls"] = _controls(s, cell_root, base_dir, cell_s, results[name], log,
+                                                  n=256 if quick else 4096)
         results[name]["cell_s"] = round(time.perf_counter() - tc, 1)
         log(f"--- cell {name}: gain {results[name]['relative_gain']:+.3f}, {results[name]['releases']} releases, "
             f"{results[name]['cell_s']} s")
@@ -394,7 +471,9 @@ def _headline(results, s, K, base_pass, warmup, root, t_start) -> dict[str, Any]
     adv = results.get("adversarial", {})
     sab = results.get("sabotage")
     pairs = [p for name in ("realistic", "adversarial") for p in results.get(name, {}).get("ope_pairs", [])]
-    gain, gain_adv = real.get("relative_gain"), adv.get("relative_gain")
+    # With adversarial users in the traffic, the gain is that of the honest users' accept rate: the
+    # adversarial verdicts are the same whatever the model, so they only dilute the measured rate.
+    gain, gain_adv = real.get("relative_gain"), adv.get("relative_gain_honest")
     sabotage = None
     if sab is not None:
         sabotage = {"candidates": sum(1 for c in sab["per_cycle"] if c.get("candidate")),
@@ -407,6 +486,12 @@ def _headline(results, s, K, base_pass, warmup, root, t_start) -> dict[str, Any]
         "relative_gain": gain,
         "ci_separated": real.get("ci_separated"),
         "relative_gain_adversarial": gain_adv,
+        "adversarial_gain_over": "honest users",
+        "controls": real.get("controls"),
+        "beats_controls": bool(real.get("controls", {}).get("gain_vs_base_best", {}).get("ci95", [0])[0] > 0
+                               and real["controls"]["gain_vs_control_best"]["ci95"][0] > 0)
+        if real.get("controls", {}).get("best") else None,
+        "relative_gain_adversarial_all_users": adv.get("relative_gain"),
         "adversarial_gain_ratio": (gain_adv / gain) if gain and gain_adv is not None else None,
         "sabotage": sabotage,
         "ope_mae": sum(abs(e - r) for e, r in pairs) / len(pairs) if pairs else None,

@@ -36,6 +36,18 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
                 ("vs vllm serve", "overhead_ratio_vs_vllm_server"), ("swap pause max ms", "swap_pause_ms_max"),
                 ("failed during swaps", "failed_requests_during_swaps"), ("rps", "rps")],
     "ingest": [("cells", "results")],
+    "online": [("population", "population"), ("releases", "cells.realistic.releases"),
+               ("first accept", "cells.realistic.first_accept"), ("first CI", "cells.realistic.first_ci"),
+               ("last accept", "cells.realistic.last_accept"), ("last CI", "cells.realistic.last_ci"),
+               ("relative gain", "relative_gain"), ("CIs apart", "ci_separated"),
+               ("last release, best T", "controls.best.last"), ("base, best T", "controls.best.base"),
+               ("matched-compute control, best T", "controls.best.control"),
+               ("gain vs base", "controls.gain_vs_base_best"), ("gain vs control", "controls.gain_vs_control_best"),
+               ("gain, 10% adversarial", "relative_gain_adversarial"), ("over", "adversarial_gain_over"),
+               ("same, all users", "relative_gain_adversarial_all_users"), ("ratio", "adversarial_gain_ratio"),
+               ("sabotage: broken", "sabotage.broken"), ("refused", "sabotage.refused_broken"),
+               ("regressions shipped", "sabotage.regressions_shipped"), ("OPE MAE", "ope_mae"),
+               ("cycles", "cycles"), ("requests per cycle", "requests_per_cycle"), ("wall s", "total_s")],
     "scale": [("trainer samples/s at 1, 2 ranks", "trainer.samples_per_s"), ("trainer x", "trainer.speedup"),
               ("CPU bound x", "cpu_floor.trainer_speedup_bound"),
               ("rollout tokens/s at 1, 2 workers", "rollout.tokens_per_s"), ("rollout x", "rollout.speedup"),
@@ -76,11 +88,16 @@ def _fmt(value: Any) -> str:
     if isinstance(value, dict) and "pass_at_1" in value:
         ci = value.get("ci95")
         return f"{value['pass_at_1']:.3f} (T={value.get('t')})" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+    if isinstance(value, dict) and "accept" in value:
+        ci = value.get("ci95")
+        return f"{value['accept']:.3f} (T={value.get('t')})" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
     if isinstance(value, dict) and "gain" in value:
         ci = value.get("ci95")
         return f"{value['gain']:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
     if isinstance(value, dict) and {"p50", "p99"} <= value.keys():
         return f"p50 {_fmt(value['p50'])}, p99 {_fmt(value['p99'])}"
+    if isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+        return "[" + ", ".join(f"{v:.3f}" for v in value) + "]"
     if isinstance(value, list) and value and isinstance(value[0], dict):
         return "<br>".join(", ".join(f"{k}={_fmt(v)}" for k, v in cell.items() if not isinstance(v, dict | list))
                            for cell in value)

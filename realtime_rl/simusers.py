@@ -31,6 +31,7 @@ import httpx
 from openai import OpenAI
 
 from offline_rl.tasks import Task
+from policy.sampling import SamplingParams, generate
 
 MAX_NODES = 64
 MAX_ABS = 10**12
@@ -414,3 +415,25 @@ def run_traffic(base_url: str, users: Sequence[SimUser], tasks: Sequence[Task], 
         for c in clients.values():
             c.close()
     return stats
+
+
+def judge_in_process(model, tokenizer, users: Sequence[SimUser], tasks: Sequence[Task], *, n_requests: int,
+                     temperature: float, max_tokens: int, seed: int, day_length: int = 0, shift: float = 0.0,
+                     batch: int = 256) -> list[tuple[str, bool]]:
+    """(user kind, accepted) for each of ``n_requests`` planned requests, sampled in-process with the
+    torch sampler and judged by the same users as :func:`run_traffic` (no gateway, every completion
+    judged: the feedback rate only decides what reaches training, not what a user thinks). The same
+    ``seed`` gives every model the same users, tasks and per-request judging draws, so two models'
+    outcomes can be compared request by request (e.g. at different temperatures)."""
+
+    plan = plan_traffic(users, tasks, n_requests, seed, day_length=day_length, shift=shift)
+    out: list[tuple[str, bool]] = []
+    for i in range(0, len(plan), batch):
+        part = plan[i:i + batch]
+        samples = generate(model, tokenizer, [task.prompt for _, task, _ in part],
+                           SamplingParams(temperature=temperature, max_new_tokens=max_tokens, stop=["\n"],
+                                          seed=seed + i))
+        for (user, task, s), (sample,) in zip(part, samples, strict=True):
+            signal, _ = user.judge(task, sample.text, random.Random(s))
+            out.append((user.kind, signal == "accept"))
+    return out

@@ -114,3 +114,25 @@ def test_traffic_mix_shifts_over_the_day_and_late_feedback_waits():
     assert min(w) >= 0.5 and max(w) <= 1.5
     backlog = FeedbackBacklog(items=[(1, "k", {"id": 1}), (3, "k", {"id": 2})])
     assert backlog.due(0) == [] and backlog.due(2) == [("k", {"id": 1})] and len(backlog.items) == 1
+
+
+def test_in_process_judging_is_paired_by_seed(tiny_model_dir):
+    """The online benchmark's controls judge several models on the same planned requests: the same
+    seed gives the same users, tasks and judging draws, and the same model the same outcomes."""
+    from offline_rl.tasks import generate_tasks
+    from policy.loading import load_policy
+    from realtime_rl.simusers import build_population, judge_in_process
+
+    policy = load_policy(tiny_model_dir)
+    users = build_population(_realistic())
+    tasks = generate_tasks(0, 0.2).train
+
+    def judge(seed: int, t: float = 1.0):
+        return judge_in_process(policy.model, policy.tokenizer, users, tasks, n_requests=24, temperature=t,
+                                max_tokens=8, seed=seed, batch=10)
+
+    first = judge(3)
+    assert len(first) == 24 and {k for k, _ in first} <= {u.kind for u in users}
+    assert judge(3) == first  # same seed, same model: the same verdicts
+    assert [k for k, _ in judge(3, t=0.5)] == [k for k, _ in first]  # another temperature: the same users
+    assert [k for k, _ in judge(4)] != [k for k, _ in first]
