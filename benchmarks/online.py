@@ -45,6 +45,7 @@ import torch
 from openai import OpenAI
 
 from offline_rl.corpus import build_default_model
+from offline_rl.evaluate import mean_ci
 from offline_rl.midtrain import continue_midtrain, run_midtrain
 from offline_rl.presets import FUNCTIONS
 from offline_rl.tasks import generate_tasks
@@ -327,9 +328,8 @@ def _summarise_cell(versions, order, cycles_out, broken, s, never_sent: int) -> 
                              "ope_estimate": rec.get("ope_estimate"), "ope_ci": rec.get("ope_ci"),
                              "ope_ess": rec.get("ope_ess")})
     for v in out_versions:  # the adversarial users' verdicts do not depend on the model
-        n = sum(k["n"] for kind, k in v["per_kind"].items() if kind not in ADVERSARIAL)
-        a = sum(round(k["n"] * k["accept_rate"]) for kind, k in v["per_kind"].items()
-                if kind not in ADVERSARIAL and k["n"])
+        honest = [tally for kind, tally in versions[v["version"]].get("kinds", {}).items() if kind not in ADVERSARIAL]
+        n, a = sum(kn for kn, _ in honest), sum(ka for _, ka in honest)
         v["honest"] = {"n": n, "accept_rate": a / n if n else None, "ci": _ci(n, a)}
     by_id = {v["version"]: v for v in out_versions}
     first, last = by_id[order[0]], by_id[order[-1]]
@@ -367,11 +367,8 @@ def _function_midtrain(s, **fields):
 
 def _paired(a: list[tuple[str, bool]], b: list[tuple[str, bool]]) -> dict[str, Any]:
     """b − a over the same planned requests: mean difference with a normal 95% interval."""
-    d = [float(y) - float(x) for (_, x), (_, y) in zip(a, b, strict=True)]
-    mean = sum(d) / len(d)
-    sd = (sum((v - mean) ** 2 for v in d) / max(len(d) - 1, 1)) ** 0.5
-    half = 1.96 * sd / len(d) ** 0.5
-    return {"gain": mean, "ci95": [mean - half, mean + half]}
+    gain, lo, hi = mean_ci([float(y) - float(x) for (_, x), (_, y) in zip(a, b, strict=True)])
+    return {"gain": gain, "ci95": [lo, hi]}
 
 
 def _controls(s, root: Path, base_dir: Path, cell_s, cell: dict[str, Any], log, n: int) -> dict[str, Any]:
@@ -469,6 +466,7 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
 def _headline(results, s, K, base_pass, warmup, root, t_start) -> dict[str, Any]:
     real = results.get("realistic", {})
     adv = results.get("adversarial", {})
+    controls = real.get("controls") or {}
     sab = results.get("sabotage")
     pairs = [p for name in ("realistic", "adversarial") for p in results.get(name, {}).get("ope_pairs", [])]
     # With adversarial users in the traffic, the gain is that of the honest users' accept rate: the
@@ -488,9 +486,8 @@ def _headline(results, s, K, base_pass, warmup, root, t_start) -> dict[str, Any]
         "relative_gain_adversarial": gain_adv,
         "adversarial_gain_over": "honest users",
         "controls": real.get("controls"),
-        "beats_controls": bool(real.get("controls", {}).get("gain_vs_base_best", {}).get("ci95", [0])[0] > 0
-                               and real["controls"]["gain_vs_control_best"]["ci95"][0] > 0)
-        if real.get("controls", {}).get("best") else None,
+        "beats_controls": (controls["gain_vs_base_best"]["ci95"][0] > 0
+                           and controls["gain_vs_control_best"]["ci95"][0] > 0) if "best" in controls else None,
         "relative_gain_adversarial_all_users": adv.get("relative_gain"),
         "adversarial_gain_ratio": (gain_adv / gain) if gain and gain_adv is not None else None,
         "sabotage": sabotage,

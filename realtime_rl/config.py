@@ -274,7 +274,8 @@ class SimUsersSettings(Section):
     traffic_shift: float = Field(0.6, ge=0, le=1, description="Realistic: amplitude of that cosine (0: no shift; "
                                  "1: a task kind's weight swings between 0 and twice the average).")
     requests_per_cycle: int = Field(2048, ge=1, description="Completions requested per simulated cycle (`rtrl "
-                                    "bench online`): with sparse feedback, about 1,000 judgements reach each update.")
+                                    "bench online`); sized so that, with sparse feedback, each update sees the "
+                                    "number of judgements docs/algorithms.md asks for (trust region).")
     concurrency: int = Field(4, ge=1, description="Concurrent requests.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature the users request.")
     max_tokens: int = Field(16, ge=1, description="Completion budget.")
