@@ -190,9 +190,16 @@ class ReleaseGateSettings(Section):
     estimator: Literal["snips", "clipped_ips"] = Field("snips", description="Off-policy estimator the gate uses "
                                                        "(both are always reported).")
     ips_clip: float = Field(10.0, gt=1, description="Weight cap of the clipped-IPS estimator.")
-    ope_margin: float = Field(0.0, ge=0, le=1, description="Estimate may be this far below production's "
-                              "realised accept rate.")
-    use_lower_bound: bool = Field(False, description="Compare the CI's lower bound instead of the point estimate.")
+    ope_test: Literal["paired", "estimate", "lower_bound"] = Field(
+        "paired", description="How the off-policy estimate is held against production's realised accept rate on "
+        "the same held-out requests: `paired` refuses only when the candidate is worse with one-sided confidence "
+        "`ope_confidence` (the paired gain's upper bound is below -ope_margin); `estimate` refuses whenever the "
+        "point estimate is below (so a candidate as good as production is refused about half the time); "
+        "`lower_bound` refuses unless the estimate's own CI lies above (refuses almost every candidate).")
+    ope_confidence: float = Field(0.9, gt=0.5, lt=1, description="One-sided confidence of the `paired` test: the "
+                                  "share of candidates exactly as good as production that it lets through.")
+    ope_margin: float = Field(0.0, ge=0, le=1, description="How far below production's realised accept rate the "
+                              "candidate may be estimated before the test counts it as worse.")
     min_heldout: int = Field(32, ge=1, description="Fewer held-out logged examples than this fails the gate.")
     min_ess_share: float = Field(0.02, ge=0, le=1, description="The off-policy estimate's effective sample size "
                                  "(Σw)²/Σw² must be at least this share of the held-out examples; below it a few "

@@ -10,7 +10,11 @@ log π recomputed by teacher forcing (``policy.logprobs.sequence_logprobs``):
 * SNIPS          V = Σ w_i r_i / Σ w_i                    (self-normalised; bias O(1/n), lies in [0, 1])
 
 Confidence intervals: percentile bootstrap over examples (default), or normal approximation
-(delta method for SNIPS: Var ≈ Σ w_i² (r_i − V)² / (Σ w_i)²). The effective sample size
+(delta method for SNIPS: Var ≈ Σ w_i² (r_i − V)² / (Σ w_i)²). The release gate asks a narrower
+question, whether the candidate would be accepted less than the serving version on the same logged
+requests: the paired gain G = V − r̄ (r̄ the realised rate) and its standard error, from the same
+bootstrap resamples (or the influence terms ψ_i = (w_i/w̄)(r_i − V) − (r_i − r̄)), which is far
+tighter than V's own interval because both terms share the outcomes. The effective sample size
 (Σ w)² / Σ w² is reported: when it is small the candidate moved far from μ and the estimate says
 little, which the gate treats as it treats any other wide interval.
 
@@ -45,6 +49,8 @@ class OPEResult:
     n: int
     ess: float
     max_weight: float
+    gain: float = float("nan")
+    gain_se: float = float("nan")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -89,21 +95,44 @@ def normal_ci(r: np.ndarray, w: np.ndarray, estimator: str, cap: float, level: f
     return (v - z * se, v + z * se)
 
 
-def bootstrap_ci(r: np.ndarray, w: np.ndarray, estimator: str, cap: float, level: float,
-                 samples: int = 1000, seed: int = 0) -> tuple[float, float]:
-    n = len(r)
-    if n < 2:
-        return (float("nan"), float("nan"))
+def _bootstrap_draws(r: np.ndarray, w: np.ndarray, estimator: str, cap: float, samples: int,
+                     seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The estimator and the realised mean on the same ``samples`` resamples of the examples."""
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(samples, n))
+    idx = rng.integers(0, len(r), size=(samples, len(r)))
     rb, wb = r[idx], w[idx]
     if estimator == "snips":
         s = wb.sum(1)
         vals = np.where(s > 0, (wb * rb).sum(1) / np.where(s > 0, s, 1.0), np.nan)
     else:
         vals = (np.minimum(wb, cap) * rb).mean(1)
+    return vals, rb.mean(1)
+
+
+def bootstrap_ci(r: np.ndarray, w: np.ndarray, estimator: str, cap: float, level: float,
+                 samples: int = 1000, seed: int = 0) -> tuple[float, float]:
+    if len(r) < 2:
+        return (float("nan"), float("nan"))
+    vals, _ = _bootstrap_draws(r, w, estimator, cap, samples, seed)
     lo, hi = np.nanpercentile(vals, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
     return (float(lo), float(hi))
+
+
+def paired_gain_se(r: np.ndarray, w: np.ndarray, estimator: str, cap: float, ci: str = "bootstrap",
+                   samples: int = 1000, seed: int = 0) -> float:
+    """Standard error of G = V − r̄, the estimate minus the realised rate on the same examples."""
+    n = len(r)
+    if n < 2:
+        return float("nan")
+    if ci == "bootstrap":
+        vals, means = _bootstrap_draws(r, w, estimator, cap, samples, seed)
+        return float(np.nanstd(vals - means, ddof=1))
+    m = float(np.mean(r))
+    if estimator == "snips":
+        v = snips(r, w)
+        psi = w / float(np.mean(w)) * (r - v) - (r - m)
+        return math.sqrt(float(np.sum(psi * psi))) / n
+    return float(np.std(np.minimum(w, cap) * r - r, ddof=1)) / math.sqrt(n)
 
 
 def estimate(r: Sequence[float], log_w: Sequence[float], *, estimator: str = "snips", cap: float = 10.0,
@@ -120,7 +149,9 @@ def estimate(r: Sequence[float], log_w: Sequence[float], *, estimator: str = "sn
                 else bootstrap_ci(ra, w, estimator, cap, level, samples, seed))
     return OPEResult(estimator=estimator, estimate=values[estimator], ci=interval, snips=values["snips"],
                      clipped_ips=values["clipped_ips"], ips=values["ips"], n=len(ra),
-                     ess=effective_sample_size(w), max_weight=float(w.max()) if len(w) else 0.0)
+                     ess=effective_sample_size(w), max_weight=float(w.max()) if len(w) else 0.0,
+                     gain=values[estimator] - float(np.mean(ra)) if len(ra) else float("nan"),
+                     gain_se=paired_gain_se(ra, w, estimator, cap, ci, samples, seed))
 
 
 def accept_rate_ci(accepts: Sequence[bool], level: float = 0.95) -> tuple[float, float]:

@@ -7,9 +7,10 @@ Gate (all must hold, every number is recorded):
    the same evaluator with the same seed;
 2. off-policy: the SNIPS (or clipped-IPS) estimate of the candidate's accept rate on held-out logged
    feedback served by production (candidate log-probs recomputed, behaviour = logged) is not below
-   production's realised accept rate on those same examples (minus ``ope_margin``; optionally the
-   CI's lower bound is compared instead of the point estimate), with at least ``min_heldout`` examples,
-   and an effective sample size (Σw)²/Σw² of at least ``min_ess_share`` of them.
+   production's realised accept rate on those same examples: by default (``ope_test = "paired"``) the
+   candidate is refused when the paired gain (estimate − realised, both on the same requests) is
+   below −``ope_margin`` with one-sided confidence ``ope_confidence``; with at least ``min_heldout``
+   examples, and an effective sample size (Σw)²/Σw² of at least ``min_ess_share`` of them.
 
 Pass: the candidate goes to the ``production`` channel, or with ``canary_share`` > 0 to ``candidate``
 (the gateway routes that share of callers to it) and a later cycle promotes it once
@@ -28,6 +29,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import sqlalchemy as sa
@@ -39,7 +41,7 @@ from realtime_rl.baseline import save_bucket_stats
 from realtime_rl.bus import BusUnavailable
 from realtime_rl.dataset import TrainingExample
 from realtime_rl.events import ModelVersionEvent
-from realtime_rl.ope import accept_rate_ci, candidate_log_weights, estimate
+from realtime_rl.ope import OPEResult, accept_rate_ci, candidate_log_weights, estimate
 from realtime_rl.release_tables import releases, update_runs
 
 # --------------------------------------------------------------------------------------------------
@@ -135,12 +137,9 @@ def evaluate_gate(settings, *, candidate_model, production_model, heldout: Seque
                                       pad_token_id=pad_token_id)
         res = estimate([float(a) for a in accepts], log_w, estimator=g.estimator, cap=g.ips_clip, ci=g.ci,
                        level=g.ci_level, samples=g.bootstrap_samples, seed=settings.update.seed)
-        value = res.ci[0] if g.use_lower_bound else res.estimate
-        checks["ope"] = value >= realised - g.ope_margin
+        checks["ope"], why = ope_verdict(res, realised, g)
         if not checks["ope"]:
-            what = "CI lower bound" if g.use_lower_bound else "estimate"
-            reasons.append(f"{g.estimator} {what} of the accept rate {value:.3f} < production's realised "
-                           f"{realised:.3f} (margin {g.ope_margin})")
+            reasons.append(why)
         # A handful of huge weights carry the estimate: it says nothing about this candidate.
         checks["ope_support"] = res.ess >= g.min_ess_share * res.n
         if not checks["ope_support"]:
@@ -152,6 +151,19 @@ def evaluate_gate(settings, *, candidate_model, production_model, heldout: Seque
     report.passed = all(checks.values())
     report.reason = "; ".join(reasons) if reasons else "all gate checks passed"
     return report
+
+
+def ope_verdict(res: OPEResult, realised: float, g) -> tuple[bool, str]:
+    """Hold the off-policy estimate against production's realised accept rate (``g.ope_test``)."""
+    if g.ope_test == "paired":
+        upper = res.gain + NormalDist().inv_cdf(g.ope_confidence) * res.gain_se
+        return upper >= -g.ope_margin, (
+            f"{res.estimator} estimate {res.estimate:.3f} is below production's realised {realised:.3f} on the same "
+            f"requests with {g.ope_confidence:.0%} confidence: paired gain {res.gain:+.3f} (se {res.gain_se:.3f}), "
+            f"upper bound {upper:+.3f} < -{g.ope_margin}")
+    value, what = (res.ci[0], "CI lower bound") if g.ope_test == "lower_bound" else (res.estimate, "estimate")
+    return value >= realised - g.ope_margin, (f"{res.estimator} {what} of the accept rate {value:.3f} < production's "
+                                              f"realised {realised:.3f} (margin {g.ope_margin})")
 
 
 # --------------------------------------------------------------------------------------------------

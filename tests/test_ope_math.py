@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from realtime_rl.baseline import BucketStats, bucket_mean_advantages, merge_batch
+from realtime_rl.config import ReleaseGateSettings
 from realtime_rl.dataset import LoggedExample, TrainingExample
 from realtime_rl.ope import accept_rate_ci, bootstrap_ci, estimate, normal_ci
+from realtime_rl.release import ope_verdict
 
 
 def te(reward: float, bucket: str) -> TrainingExample:
@@ -43,6 +46,25 @@ def test_confidence_intervals_cover_and_agree():
     assert blo == pytest.approx(lo, abs=0.01) and bhi == pytest.approx(hi, abs=0.01)
     wl, wh = accept_rate_ci([True] * 30 + [False] * 70)
     assert wl < 0.3 < wh and wl == pytest.approx(0.2189, abs=1e-3)  # Wilson interval for 30/100
+
+
+def test_paired_gain_is_tighter_than_the_estimate_and_the_gate_refuses_only_a_worse_candidate():
+    rng = np.random.default_rng(1)
+    r = (rng.random(400) < 0.55).astype(float)
+    noise = rng.normal(0.0, 0.5, size=len(r))  # a candidate as good as production, differently spread
+    same = estimate(r, noise, ci="bootstrap", samples=800)
+    assert same.gain == pytest.approx(same.estimate - r.mean())
+    # Both terms share the outcomes: the paired gain's spread is well under the estimate's own.
+    assert same.gain_se < 0.6 * (same.ci[1] - same.ci[0]) / (2 * 1.959964)
+    assert estimate(r, noise, ci="normal").gain_se == pytest.approx(same.gain_se, rel=0.25)
+    worse = estimate(r, noise - 1.5 * r)  # down-weights every accepted completion
+    g = ReleaseGateSettings()
+    assert ope_verdict(same, float(r.mean()), g)[0]
+    ok, why = ope_verdict(worse, float(r.mean()), g)
+    assert not ok and "paired gain" in why
+    # The point-estimate rule refuses any candidate estimated a hair below production.
+    assert not ope_verdict(replace(same, estimate=r.mean() - 1e-3), float(r.mean()),
+                           ReleaseGateSettings(ope_test="estimate"))[0]
 
 
 def test_leave_one_out_bucket_baseline_by_hand():
