@@ -19,8 +19,11 @@ Cells (each from the same base model, in a directory of its own):
 The headline (``population`` = realistic) carries the realistic cell's gain and CI separation, the
 adversarial cell's gain on its honest users (``relative_gain_adversarial``; the adversarial users'
 verdicts do not depend on the model, so over all users, ``relative_gain_adversarial_all_users``, they
-only dilute it), the sabotage counts, and the OPE calibration: the mean absolute error between the
-gate's estimate and the realised accept rate of each released version.
+only dilute it), the sabotage counts, how often the gate refused and by which check (``refusals``),
+and the OPE calibration: the mean absolute error between the gate's estimate and the realised accept
+rate of each released version. The realistic cell's ``controls`` hold the last release against the
+starting model and a matched-compute control, each at its best temperature, on the tasks users asked
+during the run and on held-out tasks none of them ever sent (``controls.unseen``).
 
 Everything lives in a fresh directory (``bench_dir`` or a temp dir): its own registry, feedback
 database, bus log, API keys, so a benchmark never touches the user's production channel. The base
@@ -35,6 +38,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -300,6 +304,7 @@ def run_cell(s, root: Path, base_dir: Path, base_pass: float, evaluator, K: int,
                         raise RuntimeError(f"the gateway did not switch to {result.candidate_version}")
             train = result.metrics.get("train", {})
             row.update(status=result.status, candidate=result.candidate_version, tampered=note,
+                       failed_checks=[c for c, ok in (gate.get("checks") or {}).items() if not ok],
                        ingest_s=round(t2 - t1, 1), update_s=round(time.perf_counter() - t2, 1),
                        cycle_s=round(time.perf_counter() - tc, 1),
                        dataset={k2: result.metrics.get("dataset", {}).get(k2) for k2 in
@@ -312,6 +317,14 @@ def run_cell(s, root: Path, base_dir: Path, base_pass: float, evaluator, K: int,
         server.stop()
         ingester.engine.dispose()
     return _summarise_cell(versions, order, cycles_out, broken, s, len(backlog.items))
+
+
+def _refusals(cycles_out: list[dict[str, Any]]) -> dict[str, Any]:
+    """How often the gate refused a candidate, and which checks failed (a refusal can fail several)."""
+    done = [c for c in cycles_out if c.get("candidate")]
+    refused = [c for c in done if c.get("status") == "refused"]
+    return {"candidates": len(done), "refused": len(refused),
+            "by_check": dict(Counter(check for c in refused for check in c.get("failed_checks", [])))}
 
 
 def _summarise_cell(versions, order, cycles_out, broken, s, never_sent: int) -> dict[str, Any]:
@@ -354,7 +367,7 @@ def _summarise_cell(versions, order, cycles_out, broken, s, never_sent: int) -> 
         "offline_pass_min_released": min((p for p in released_pass if p is not None), default=None),
         "all_released_at_gate": all(p is not None and p >= s.eval.gate_threshold - s.release.gate_tolerance
                                     for p in released_pass),
-        "regressions": regressions, "broken": broken,
+        "regressions": regressions, "broken": broken, "refusals": _refusals(cycles_out),
         "ope_pairs": ope_pairs, "late_feedback_never_sent": never_sent,
         "versions": out_versions, "per_cycle": cycles_out,
     }
@@ -371,12 +384,32 @@ def _paired(a: list[tuple[str, bool]], b: list[tuple[str, bool]]) -> dict[str, A
     return {"gain": gain, "ci95": [lo, hi]}
 
 
+def _compare(policies: dict[str, Any], users, tasks, su, temperatures, n: int) -> dict[str, Any]:
+    """Every policy judged by the same users on the same ``n`` planned requests at each temperature;
+    each at its best temperature, and the last release's paired gains over the two controls."""
+    outcomes = {name: {t: judge_in_process(p.model, p.tokenizer, users, tasks, n_requests=n, temperature=t,
+                                           max_tokens=su.max_tokens, seed=su.seed + 7919, **su.traffic_options())
+                       for t in temperatures}
+                for name, p in policies.items()}
+    rates = {name: {t: sum(a for _, a in o) / len(o) for t, o in grid.items()} for name, grid in outcomes.items()}
+    best_t = {name: max(grid, key=lambda t, g=grid: (g[t], -abs(t - su.temperature))) for name, grid in rates.items()}
+    best = {name: {"accept": rates[name][t], "t": t, "ci95": _ci(n, sum(a for _, a in outcomes[name][t]))}
+            for name, t in best_t.items()}
+    return {"requests": n, "tasks": len(tasks),
+            "accept": {name: {str(t): r for t, r in grid.items()} for name, grid in rates.items()}, "best": best,
+            "last_at_serving_t": rates["last"][su.temperature],
+            "gain_vs_base_best": _paired(outcomes["base"][best_t["base"]], outcomes["last"][best_t["last"]]),
+            "gain_vs_control_best": _paired(outcomes["control"][best_t["control"]], outcomes["last"][best_t["last"]])}
+
+
 def _controls(s, root: Path, base_dir: Path, cell_s, cell: dict[str, Any], log, n: int) -> dict[str, Any]:
     """Is the realistic cell's gain learning? The last released version against two controls, each
     at its own best temperature of ``eval.temperatures``: the base model (a gain that a lower
     temperature gives as well is not learning) and a matched-compute control, the base mid-trained
     on (the function corpus) for as long as the cell's updates took. Every model is judged by the same
-    users on the same planned requests in-process (:func:`realtime_rl.simusers.judge_in_process`)."""
+    users on the same planned requests in-process (:func:`realtime_rl.simusers.judge_in_process`):
+    on the tasks the users asked during the run (what they will ask again), and under ``unseen`` on
+    the held-out tasks no user ever sent (does the gain carry over to new requests)."""
     if cell["releases"] == 0:
         return {"skipped": "no release"}
     last = cell["versions"][cell["releases"]]["version"]
@@ -385,28 +418,18 @@ def _controls(s, root: Path, base_dir: Path, cell_s, cell: dict[str, Any], log, 
     control = continue_midtrain(_function_midtrain(s, eval_at_end=False), base_dir, root / "control",
                                 seconds=seconds, progress=False, log=log)
     models = {"base": base_dir, "control": control, "last": RegistryStore(cell_s).materialize(last)}
+    policies = {name: load_policy(path, s.model.dtype, s.model.device) for name, path in models.items()}
     su = cell_s.simusers
     users = build_population(su)
-    tasks = generate_tasks(s.tasks.seed, s.tasks.heldout_fraction).train
-    outcomes: dict[str, dict[float, list[tuple[str, bool]]]] = {}
-    for name, path in models.items():
-        policy = load_policy(path, s.model.dtype, s.model.device)
-        outcomes[name] = {t: judge_in_process(policy.model, policy.tokenizer, users, tasks, n_requests=n,
-                                              temperature=t, max_tokens=su.max_tokens, seed=su.seed + 7919,
-                                              **su.traffic_options())
-                          for t in s.eval.temperatures}
-    rates = {name: {t: sum(a for _, a in o) / len(o) for t, o in grid.items()} for name, grid in outcomes.items()}
-    best_t = {name: max(grid, key=lambda t, g=grid: (g[t], -abs(t - su.temperature))) for name, grid in rates.items()}
-    best = {name: {"accept": rates[name][t], "t": t, "ci95": _ci(n, sum(a for _, a in outcomes[name][t]))}
-            for name, t in best_t.items()}
-    out = {"temperatures": list(s.eval.temperatures), "requests": n, "control_seconds": round(seconds, 1),
-           "accept": {name: {str(t): r for t, r in grid.items()} for name, grid in rates.items()}, "best": best,
-           "last_at_serving_t": rates["last"][su.temperature],
-           "gain_vs_base_best": _paired(outcomes["base"][best_t["base"]], outcomes["last"][best_t["last"]]),
-           "gain_vs_control_best": _paired(outcomes["control"][best_t["control"]], outcomes["last"][best_t["last"]])}
-    log(f"controls: best accept rate, last release {best['last']['accept']:.3f} (T={best_t['last']}), base "
-        f"{best['base']['accept']:.3f} (T={best_t['base']}), control {best['control']['accept']:.3f} "
-        f"(T={best_t['control']})")
+    split = generate_tasks(s.tasks.seed, s.tasks.heldout_fraction)
+    out = {"temperatures": list(s.eval.temperatures), "control_seconds": round(seconds, 1),
+           **_compare(policies, users, split.train, su, s.eval.temperatures, n),
+           "unseen": _compare(policies, users, split.heldout, su, s.eval.temperatures, max(n // 4, 64))}
+    for where, res in (("asked", out), ("unseen", out["unseen"])):
+        b = res["best"]
+        log(f"controls ({where} tasks): best accept rate, last release {b['last']['accept']:.3f} "
+            f"(T={b['last']['t']}), base {b['base']['accept']:.3f} (T={b['base']['t']}), control "
+            f"{b['control']['accept']:.3f} (T={b['control']['t']})")
     return out
 
 
@@ -463,6 +486,11 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print, cycle
     return _headline(results, s, K, base_pass, warmup, root, t_start)
 
 
+def _beats(compared: dict[str, Any]) -> bool:
+    """The last release's paired gain over both controls has a 95% interval above zero."""
+    return compared["gain_vs_base_best"]["ci95"][0] > 0 and compared["gain_vs_control_best"]["ci95"][0] > 0
+
+
 def _headline(results, s, K, base_pass, warmup, root, t_start) -> dict[str, Any]:
     real = results.get("realistic", {})
     adv = results.get("adversarial", {})
@@ -486,11 +514,12 @@ def _headline(results, s, K, base_pass, warmup, root, t_start) -> dict[str, Any]
         "relative_gain_adversarial": gain_adv,
         "adversarial_gain_over": "honest users",
         "controls": real.get("controls"),
-        "beats_controls": (controls["gain_vs_base_best"]["ci95"][0] > 0
-                           and controls["gain_vs_control_best"]["ci95"][0] > 0) if "best" in controls else None,
+        "beats_controls": _beats(controls) if "best" in controls else None,
+        "beats_controls_unseen": _beats(controls["unseen"]) if "unseen" in controls else None,
         "relative_gain_adversarial_all_users": adv.get("relative_gain"),
         "adversarial_gain_ratio": (gain_adv / gain) if gain and gain_adv is not None else None,
         "sabotage": sabotage,
+        "refusals": {name: cell["refusals"] for name, cell in results.items()},
         "ope_mae": sum(abs(e - r) for e, r in pairs) / len(pairs) if pairs else None,
         "ope_pairs": len(pairs),
         "gate": s.eval.gate_threshold,

@@ -31,6 +31,10 @@ def test_bench_online_loop_end_to_end(tmp_path, tiny_model_dir):
     assert cycle["status"] in ("released", "refused")
     if cycle["status"] == "released":
         assert cell["per_cycle"][1]["served"] == cycle["candidate"] and cell["releases"] == 1
+    refused = cycle["status"] == "refused"
+    assert cell["refusals"]["candidates"] == 1 and cell["refusals"]["refused"] == int(refused)
+    assert bool(cycle["failed_checks"]) == refused and sum(cell["refusals"]["by_check"].values()) == len(
+        cycle["failed_checks"])
     assert abs(cycle["train"]["mismatch_abs_logp"]) < 1e-4  # gateway log-probs = trainer's recompute
     engine = make_engine(f"sqlite:///{tmp_path / 'bench' / 'simple' / 'feedback.db'}")
     try:
