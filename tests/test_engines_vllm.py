@@ -191,26 +191,37 @@ def test_vllm_streams_incrementally(vllm_server):
         plain = c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=150, seed=seed, temperature=0.9)
         if plain.choices[0].finish_reason == "length":
             break
-    t0 = time.perf_counter()
-    arrivals, pieces, cids = [], [], set()
-    for chunk in c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=150, seed=seed, stream=True,
-                                      temperature=0.9):
-        if chunk.choices:
-            cids.add(chunk.choices[0].model_extra["completion_id"])
-        if chunk.choices and chunk.choices[0].text:
-            arrivals.append(time.perf_counter() - t0)
-            pieces.append(chunk.choices[0].text)
-    again = c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=150, seed=seed, temperature=0.9)
-    assert "".join(pieces) == again.choices[0].text
+
+    def stream() -> tuple[list[float], list[str], set[str]]:
+        t0 = time.perf_counter()
+        arrivals, pieces, cids = [], [], set()
+        for chunk in c.completions.create(model="tiny-coder", prompt=PROMPT, max_tokens=150, seed=seed,
+                                          stream=True, temperature=0.9):
+            if chunk.choices:
+                cids.add(chunk.choices[0].model_extra["completion_id"])
+            if chunk.choices and chunk.choices[0].text:
+                arrivals.append(time.perf_counter() - t0)
+                pieces.append(chunk.choices[0].text)
+        return arrivals, pieces, cids
+
+    # 150 decoding steps: the first text comes after a few of them, the last after all of them. A stream
+    # sent only once generation was done has all its chunks within a few milliseconds, every time; a
+    # machine busy with something else can delay one stream's delivery, so up to three are tried.
+    spreads = []
+    for _ in range(3):
+        arrivals, pieces, cids = stream()
+        assert "".join(pieces) == plain.choices[0].text
+        assert len(pieces) >= 10
+        spreads.append(arrivals[:3] + arrivals[-3:])
+        if arrivals[0] < 0.5 * arrivals[-1]:
+            break
+    else:
+        raise AssertionError(f"every stream arrived in one burst: {spreads}")
     # The streamed completion's event has every token with both kinds of log-prob.
     (cid,) = cids
     (ev,) = _events(vllm_server, [cid]).values()
-    assert ev.completion == again.choices[0].text
+    assert ev.completion == plain.choices[0].text
     assert len(ev.completion_token_ids) == len(ev.logprobs) == len(ev.sampling_logprobs) >= 10
-    assert len(pieces) >= 10
-    # 150 decoding steps: the first text comes after a few of them, the last after all of them. A stream
-    # sent only once generation was done would have all its chunks within a few milliseconds.
-    assert arrivals[0] < 0.5 * arrivals[-1], arrivals[:3] + arrivals[-3:]
 
 
 def test_vllm_hot_swap_reloads_weights_and_resets_the_prefix_cache(vllm_server):
