@@ -10,7 +10,9 @@ with what it then realised), its offline held-out pass@1, and the time per cycle
 Cells (each from the same base model, in a directory of its own):
 
 * ``realistic``: the realistic population (``simusers.population``), no adversarial users;
-* ``adversarial``: the same with ``adversarial_share`` 0.1 (loud users who reject or accept everything);
+* ``adversarial``: the same honest users and honest traffic, plus adversarial users who make up
+  ``adversarial_share`` 0.1 of all users (loud users who reject or accept everything, whose requests
+  come on top): the two cells differ only by the adversaries;
 * ``sabotage``: the realistic population, but every other candidate is broken after training (its
   weights perturbed, or replaced by a regressed checkpoint) before the gate sees it: every broken
   candidate must be refused, and no release may serve worse than its parent;
@@ -62,6 +64,7 @@ from realtime_rl.release import RegistryStore, default_evaluator
 from realtime_rl.simusers import (
     ADVERSARIAL,
     FeedbackBacklog,
+    adversarial_count,
     build_population,
     judge_in_process,
     register_keys,
@@ -360,6 +363,7 @@ def _summarise_cell(versions, order, cycles_out, broken, s, never_sent: int) -> 
     released_pass = [by_id[v]["offline_pass_at_1"] for v in order]
     return {
         "population": s.simusers.population, "adversarial_share": s.simusers.adversarial_share,
+        "adversarial_users": adversarial_count(s.simusers.n_users, s.simusers.adversarial_share),
         "relative_gain": gain, "ci_separated": separated, "releases": len(order) - 1,
         "relative_gain_honest": rel_gain(first["honest"]["accept_rate"], last["honest"]["accept_rate"]),
         "first_accept": first["accept_rate"], "first_ci": first["ci"], "last_accept": last["accept_rate"],

@@ -244,7 +244,8 @@ class SimUsersSettings(Section):
         "realistic", description="`realistic`: users of several kinds with noise, sparse and late feedback, "
         "edits, a moving traffic mix and optional adversarial users (the fields below). `simple`: every user "
         "wants correct answers in the spaced style (strictness only), judges every completion at once.")
-    n_users: int = Field(16, ge=1, description="Callers, each with its own API key.")
+    n_users: int = Field(16, ge=1, description="Honest callers, each with its own API key (adversarial ones, "
+                         "if any, are added to them).")
     seed: int = Field(0, description="Seed for preferences and traffic.")
     style_share: float = Field(0.4, ge=0, description="Realistic: relative share of honest users who want "
                                "correct answers in the spaced style.")
@@ -252,8 +253,10 @@ class SimUsersSettings(Section):
                                  "correct answers with no redundant characters (spacing is free).")
     correctness_share: float = Field(0.4, ge=0, description="Realistic: relative share of honest users who "
                                      "accept any correct answer.")
-    adversarial_share: float = Field(0.0, ge=0, le=1, description="Realistic: share of all users whose feedback "
-                                     "is adversarial (half reject everything, half accept everything).")
+    adversarial_share: float = Field(0.0, ge=0, lt=1, description="Realistic: share of all users whose feedback "
+                                     "is adversarial (half reject everything, half accept everything). They are "
+                                     "added to the n_users honest ones, whose preferences and traffic stay "
+                                     "the same, so a run with adversaries differs from one without only by them.")
     adversarial_activity: float = Field(2.0, gt=0, description="Realistic: how many times more requests an "
                                         "adversarial user sends than a typical honest one (loud users).")
     activity_sigma: float = Field(0.5, ge=0, description="Realistic: honest users' request rates are "
@@ -280,7 +283,7 @@ class SimUsersSettings(Section):
                             "kinds follows a cosine over it (0: a fixed uniform mix).")
     traffic_shift: float = Field(0.6, ge=0, le=1, description="Realistic: amplitude of that cosine (0: no shift; "
                                  "1: a task kind's weight swings between 0 and twice the average).")
-    requests_per_cycle: int = Field(2048, ge=1, description="Completions requested per simulated cycle (`rtrl "
+    requests_per_cycle: int = Field(2048, ge=1, description="Honest users' completions per simulated cycle (`rtrl "
                                     "bench online`); sized so that, with sparse feedback, each update sees the "
                                     "number of judgements docs/algorithms.md asks for (trust region).")
     concurrency: int = Field(4, ge=1, description="Concurrent requests.")

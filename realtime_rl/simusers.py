@@ -211,14 +211,21 @@ def kind_counts(n: int, shares: dict[str, float]) -> dict[str, int]:
     return counts
 
 
+def adversarial_count(n_honest: int, share: float) -> int:
+    """Adversarial users to add to ``n_honest`` honest ones so that they are ``share`` of all users."""
+    return round(n_honest * share / (1.0 - share))
+
+
 def make_realistic_population(cfg, seed: int | None = None) -> list[SimUser]:
-    """Users of several kinds (``SimUsersSettings``' shares), each with its own noise, feedback rate,
-    delay, edit habit and activity; ``adversarial_share`` of them reject or accept everything."""
+    """``n_users`` honest users of several kinds (``SimUsersSettings``' shares), each with its own noise,
+    feedback rate, delay, edit habit and activity; then adversarial users who reject or accept everything,
+    added so that they are ``adversarial_share`` of all users. The honest users do not depend on
+    ``adversarial_share``: a population with adversaries is the one without them plus the adversaries."""
     seed = cfg.seed if seed is None else seed
     rng = random.Random(seed)
-    n_adv = round(cfg.n_users * cfg.adversarial_share)
-    honest = kind_counts(cfg.n_users - n_adv, {"style": cfg.style_share, "brevity": cfg.brevity_share,
-                                               "correctness": cfg.correctness_share})
+    n_adv = adversarial_count(cfg.n_users, cfg.adversarial_share)
+    honest = kind_counts(cfg.n_users, {"style": cfg.style_share, "brevity": cfg.brevity_share,
+                                       "correctness": cfg.correctness_share})
     kinds = [k for k in ("style", "brevity", "correctness") for _ in range(honest[k])]
     kinds += [ADVERSARIAL[i % 2] for i in range(n_adv)]
     users = []
@@ -262,20 +269,44 @@ def task_weights(tasks: Sequence[Task], t: int, day_length: int, shift: float) -
 
 def plan_traffic(users: Sequence[SimUser], tasks: Sequence[Task], n: int, seed: int, *, start: int = 0,
                  day_length: int = 0, shift: float = 0.0) -> list[tuple[SimUser, Task, int]]:
-    """(user, task, per-request seed) for ``n`` requests: users in proportion to ``activity``, tasks
-    uniformly or, with ``day_length``, by the moving mix of :func:`task_weights`."""
-    rng = random.Random(seed)
-    uniform_users = all(u.activity == 1.0 for u in users)
-    weights = [u.activity for u in users]
-    plan = []
-    for i in range(n):
-        user = rng.choice(users) if uniform_users else rng.choices(users, weights)[0]
+    """(user, task, per-request seed) for ``n`` honest requests plus the adversarial users' own.
+
+    Honest users are drawn in proportion to ``activity``, tasks uniformly or, with ``day_length``, by the
+    moving mix of :func:`task_weights`. Adversarial users (if any) send requests *on top*, as many as
+    their share of the activity implies (an adversarial user with activity 2 sends twice as many as an
+    honest user of activity 1), interleaved at random points of the day from a second random stream;
+    so the honest part of the plan is the same request for request with or without them."""
+    honest = [u for u in users if u.kind not in ADVERSARIAL]
+    hostile = [u for u in users if u.kind in ADVERSARIAL]
+    if not honest:
+        raise ValueError("a traffic plan needs at least one honest user")
+
+    def draw(rng: random.Random, pool: Sequence[SimUser], at: int) -> tuple[SimUser, Task, int]:
+        user = rng.choice(pool) if all(u.activity == 1.0 for u in pool) else \
+            rng.choices(pool, [u.activity for u in pool])[0]
         if day_length > 0 and shift:
-            task = rng.choices(tasks, task_weights(tasks, start + i, day_length, shift))[0]
+            task = rng.choices(tasks, task_weights(tasks, start + at, day_length, shift))[0]
         else:
             task = rng.choice(tasks)
-        plan.append((user, task, rng.randrange(1 << 30)))
-    return plan
+        return user, task, rng.randrange(1 << 30)
+
+    rng = random.Random(seed)
+    plan = [draw(rng, honest, i) for i in range(n)]
+    if not hostile:
+        return plan
+    extra = round(n * sum(u.activity for u in hostile) / sum(u.activity for u in honest))
+    rng = random.Random(f"adversarial-{seed}")
+    slots = sorted(rng.randrange(n + 1) for _ in range(extra))
+    inserted = [(at, draw(rng, hostile, at)) for at in slots]
+    out: list[tuple[SimUser, Task, int]] = []
+    k = 0
+    for i in range(n + 1):
+        while k < len(inserted) and inserted[k][0] == i:
+            out.append(inserted[k][1])
+            k += 1
+        if i < n:
+            out.append(plan[i])
+    return out
 
 
 @dataclass
@@ -333,7 +364,8 @@ def run_traffic(base_url: str, users: Sequence[SimUser], tasks: Sequence[Task], 
                 model: str, seed: int = 0, concurrency: int = 4, temperature: float = 1.0, max_tokens: int = 16,
                 edit_probability: float = 0.0, timeout_s: float = 60.0, backlog: FeedbackBacklog | None = None,
                 chunk: int = 0, start: int = 0, day_length: int = 0, shift: float = 0.0) -> TrafficStats:
-    """Send ``n_requests`` completions through the gateway and report each user's judgement.
+    """Send ``n_requests`` honest completions (and the adversarial users' on top, see
+    :func:`plan_traffic`) through the gateway and report each user's judgement.
 
     Feedback owed from earlier chunks (``backlog``) goes out first; a user's late feedback is put in
     ``backlog`` for a later chunk (without a backlog it is sent at once). ``start`` is this chunk's
@@ -420,7 +452,7 @@ def run_traffic(base_url: str, users: Sequence[SimUser], tasks: Sequence[Task], 
 def judge_in_process(model, tokenizer, users: Sequence[SimUser], tasks: Sequence[Task], *, n_requests: int,
                      temperature: float, max_tokens: int, seed: int, day_length: int = 0, shift: float = 0.0,
                      batch: int = 256) -> list[tuple[str, bool]]:
-    """(user kind, accepted) for each of ``n_requests`` planned requests, sampled in-process with the
+    """(user kind, accepted) for each request of the plan for ``n_requests`` (:func:`plan_traffic`), sampled in-process with the
     torch sampler and judged by the same users as :func:`run_traffic` (no gateway, every completion
     judged: the feedback rate only decides what reaches training, not what a user thinks). The same
     ``seed`` gives every model the same users, tasks and per-request judging draws, so two models'

@@ -73,8 +73,29 @@ def test_realistic_population_kinds_noise_and_adversaries():
     assert max(u.activity for u in honest) > 2 * min(u.activity for u in honest)  # some users are loud
     assert [(u.kind, u.noise) for u in pop] == [(u.kind, u.noise) for u in build_population(_realistic(
         adversarial_share=0.1))]  # deterministic by seed
+    # The adversaries are added: the honest users are those of the population without them.
+    clean = build_population(_realistic())
+    assert [(u.name, u.kind, u.noise, u.activity) for u in honest] == \
+        [(u.name, u.kind, u.noise, u.activity) for u in clean]
     simple = build_population(_realistic(population="simple"))
     assert {u.kind for u in simple} == {"style"} and all(u.feedback_rate == 1 and u.noise == 0 for u in simple)
+
+
+def test_adversaries_send_requests_on_top_of_the_same_honest_traffic():
+    from realtime_rl.simusers import build_population, plan_traffic
+
+    tasks = generate_tasks(0).train[:12]
+    clean, hostile = build_population(_realistic()), build_population(_realistic(adversarial_share=0.1))
+    base = plan_traffic(clean, tasks, 2000, 3, day_length=500, shift=0.5)
+    mixed = plan_traffic(hostile, tasks, 2000, 3, day_length=500, shift=0.5)
+    honest = [(u.name, t.prompt, s) for u, t, s in mixed if u.kind not in ("reject_all", "accept_all")]
+    assert honest == [(u.name, t.prompt, s) for u, t, s in base]
+    extra = len(mixed) - len(base)
+    expected = 2000 * sum(u.activity for u in hostile if u.kind in ("reject_all", "accept_all")) \
+        / sum(u.activity for u in clean)
+    assert extra == round(expected) > 0
+    first_half = sum(u.kind in ("reject_all", "accept_all") for u, _, _ in mixed[: len(mixed) // 2])
+    assert 0.35 * extra < first_half < 0.65 * extra  # spread over the day, not appended at its end
 
 
 def test_each_kind_judges_by_its_own_preference_and_edits_into_it():
