@@ -185,8 +185,9 @@ class ReleaseGateSettings(Section):
                                   "eval.gate_threshold: room for the gate evaluator's own sampling noise, so that a "
                                   "production that passed the offline gate can have candidates that pass too.")
     offline_tasks: int | None = Field(None, ge=1, description="Evaluate on the first N held-out tasks (None: all).")
-    offline_samples: int = Field(8, ge=1, description="Samples per held-out task for pass@1 (the "
-                                 "offline_epsilon check needs the evaluator's noise well under epsilon).")
+    offline_samples: int = Field(32, ge=1, description="Samples per held-out task for pass@1: the "
+                                 "offline_epsilon check compares two such estimates, so their scatter must be "
+                                 "well under epsilon (docs/algorithms.md, release gate).")
     estimator: Literal["snips", "clipped_ips"] = Field("snips", description="Off-policy estimator the gate uses "
                                                        "(both are always reported).")
     ips_clip: float = Field(10.0, gt=1, description="Weight cap of the clipped-IPS estimator.")
