@@ -65,7 +65,11 @@ def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1  (unbiased, always ≥ 0; Schulman 2020)."""
+    """k3 = r − log r − 1 with r = π_ref / π (Schulman 2020): always ≥ 0, and an unbiased estimate of
+    KL(π ‖ π_ref) on tokens *sampled from π* (there E[r] = 1), the case of a KL penalty on the policy's
+    own rollouts. On tokens sampled from another distribution q, KL(q ‖ π) is ``kl_k3(q_logp, logp)``
+    (r = π / q). The other order is no estimate of it: its mean adds χ²(q ‖ π), and grows like
+    q/π on the tokens π has moved away from."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
@@ -107,7 +111,7 @@ def grpo_policy_loss(
         metrics = {
             "clip_fraction": masked_mean(was_clipped.float(), mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
-            "approx_kl_old": masked_mean(kl_k3(logp, old_logp), mask).item(),
+            "approx_kl_old": masked_mean(kl_k3(old_logp, logp), mask).item(),  # KL(π_old ‖ π), rollouts ~ π_old
         }
         if kl is not None:
             metrics["kl_ref"] = masked_mean(kl, mask).item()
@@ -163,7 +167,7 @@ def reinforce_loss(
         metrics = {
             "ratio_mean": masked_mean(ratio, mask).item(),
             "clip_fraction": masked_mean(clipped_frac, mask).item(),
-            "kl_behaviour_k3": masked_mean(kl_k3(logp, behaviour_logp), mask).item(),
+            "kl_behaviour_k3": masked_mean(kl_k3(behaviour_logp, logp), mask).item(),  # KL(μ ‖ π), samples ~ μ
         }
         if kl is not None:
             metrics["kl_ref"] = masked_mean(kl, mask).item()
@@ -183,7 +187,7 @@ def mismatch_metrics(trainer_logp: torch.Tensor, inference_logp: torch.Tensor,
         gap = (trainer_logp - inference_logp).abs()
         return {
             "mismatch_abs_logp": masked_mean(gap, mask).item(),
-            "mismatch_kl_k3": masked_mean(kl_k3(trainer_logp, inference_logp), mask).item(),
+            "mismatch_kl_k3": masked_mean(kl_k3(inference_logp, trainer_logp), mask).item(),
             "mismatch_extreme_frac": masked_mean((gap > EXTREME_LOGP_GAP).float(), mask).item(),
         }
 

@@ -185,7 +185,8 @@ def train_policy(model, examples: Sequence[TrainingExample], advantages: Sequenc
                     refk = pad_rows([ref_all[j] for j in idx], width).to(dev)
                     own = tl.mask & torch.tensor([served[j] for j in idx], device=dev).unsqueeze(1)
                     counts["own"] = int(own.sum())
-                    m["kl_to_serving_k3"] = masked_mean(kl_k3(tl.logprobs, refk), own).item() if counts["own"] else 0.0
+                    # KL(π_serving ‖ π_θ) on completions the serving version sampled.
+                    m["kl_to_serving_k3"] = masked_mean(kl_k3(refk, tl.logprobs), own).item() if counts["own"] else 0.0
             # Every rank's loss and metrics are its part of the one-process values: token means, weighted
             # by this rank's share of the minibatch's tokens (the normaliser of the token-level loss).
             total = dp.sum_dict(counts)
