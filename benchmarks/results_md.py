@@ -58,6 +58,7 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
               ("CPU bound x ", "cpu_floor.rollout_speedup_bound"), ("loss rel diff, 5 steps", "fsdp_loss_max_rel_diff"),
               ("params per rank", "param_fraction_per_rank"), ("device", "device")],
     "router-replay": [("device", "device"), ("min KL reduction where routes differ", "goals.min_kl_reduction_where_routes_disagree"),
+                      ("its 95% CI", "goals.min_kl_reduction_ci95"),
                       ("max abs Δlogp replayed, staleness 0 fp32", "goals.max_abs_dlogp_replay_staleness0_fp32"),
                       ("max replay overhead", "goals.max_recompute_overhead"),
                       ("route bytes per token and layer", "goals.max_bytes_per_token_routes"), ("cells", "cells")],

@@ -25,3 +25,21 @@ def test_a_cell_measures_both_router_modes_and_the_goals_read_them(tiny_moe_dir)
     g = goals([same, bf16])
     assert g["exact_replay_met"] and g["route_bytes_met"]
     assert g["max_abs_dlogp_replay_staleness0_fp32"] == same["max_abs_dlogp_replay"]
+
+
+def test_reduction_interval_resamples_prompts_and_brackets_the_ratio():
+    import torch
+
+    from benchmarks.router_replay import reduction_ci
+
+    prompts = [[1], [1], [2], [2], [3], [3], [4], [4]]
+    mask = torch.tensor([[True, True, False]] * 8)
+    k3_replay = torch.full((8, 3), 0.01)
+    k3_off = torch.full((8, 3), 0.02)
+    k3_off[0, 0] = 1.0  # one flipped route carries most of the off-KL
+    k3_off[0, 2] = 100.0  # padding: never counted
+    lo, hi = reduction_ci(prompts, k3_off, k3_replay, mask)
+    ratio = float(k3_off.masked_fill(~mask, 0).sum() / k3_replay.masked_fill(~mask, 0).sum())
+    assert lo < ratio < hi and lo >= 2.0 - 1e-6  # every prompt's own ratio is at least 2
+    assert hi - lo > 1.0  # the one heavy prompt makes the interval wide
+    assert reduction_ci(prompts, k3_off, torch.zeros((8, 3)), mask) is None
