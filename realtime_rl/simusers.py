@@ -297,16 +297,9 @@ def plan_traffic(users: Sequence[SimUser], tasks: Sequence[Task], n: int, seed: 
     extra = round(n * sum(u.activity for u in hostile) / sum(u.activity for u in honest))
     rng = random.Random(f"adversarial-{seed}")
     slots = sorted(rng.randrange(n + 1) for _ in range(extra))
-    inserted = [(at, draw(rng, hostile, at)) for at in slots]
-    out: list[tuple[SimUser, Task, int]] = []
-    k = 0
-    for i in range(n + 1):
-        while k < len(inserted) and inserted[k][0] == i:
-            out.append(inserted[k][1])
-            k += 1
-        if i < n:
-            out.append(plan[i])
-    return out
+    # An adversarial request at slot i goes just before honest request i (the sort is stable).
+    merged = [(i, 1, r) for i, r in enumerate(plan)] + [(at, 0, draw(rng, hostile, at)) for at in slots]
+    return [r for *_, r in sorted(merged, key=lambda x: x[:2])]
 
 
 @dataclass
@@ -452,10 +445,10 @@ def run_traffic(base_url: str, users: Sequence[SimUser], tasks: Sequence[Task], 
 def judge_in_process(model, tokenizer, users: Sequence[SimUser], tasks: Sequence[Task], *, n_requests: int,
                      temperature: float, max_tokens: int, seed: int, day_length: int = 0, shift: float = 0.0,
                      batch: int = 256) -> list[tuple[str, bool]]:
-    """(user kind, accepted) for each request of the plan for ``n_requests`` (:func:`plan_traffic`), sampled in-process with the
-    torch sampler and judged by the same users as :func:`run_traffic` (no gateway, every completion
-    judged: the feedback rate only decides what reaches training, not what a user thinks). The same
-    ``seed`` gives every model the same users, tasks and per-request judging draws, so two models'
+    """(user kind, accepted) for each request of the plan for ``n_requests`` (:func:`plan_traffic`),
+    sampled in-process with the torch sampler and judged by the same users as :func:`run_traffic` (no
+    gateway, every completion judged: the feedback rate only decides what reaches training, not what a
+    user thinks). The same ``seed`` gives every model the same users, tasks and per-request judging draws, so two models'
     outcomes can be compared request by request (e.g. at different temperatures)."""
 
     plan = plan_traffic(users, tasks, n_requests, seed, day_length=day_length, shift=shift)

@@ -3,7 +3,9 @@ mid-trains first): a cell's numbers and the goals computed from them."""
 
 from __future__ import annotations
 
-from benchmarks.router_replay import _sample_torch, goals, measure_cell
+import torch
+
+from benchmarks.router_replay import _sample_torch, goals, measure_cell, reduction_ci
 from policy.loading import load_tokenizer
 
 
@@ -28,10 +30,6 @@ def test_a_cell_measures_both_router_modes_and_the_goals_read_them(tiny_moe_dir)
 
 
 def test_reduction_interval_resamples_prompts_and_brackets_the_ratio():
-    import torch
-
-    from benchmarks.router_replay import reduction_ci
-
     prompts = [[1], [1], [2], [2], [3], [3], [4], [4]]
     mask = torch.tensor([[True, True, False]] * 8)
     k3_replay = torch.full((8, 3), 0.01)

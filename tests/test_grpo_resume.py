@@ -12,13 +12,13 @@ import subprocess
 import sys
 import time
 
+from offline_rl.agent_env import RepoEnv, TrustedTests, header
+from offline_rl.repo_tasks import generate_repo_tasks
+from offline_rl.rollout import min_budget
+from policy.loading import load_tokenizer
+
 
 def test_resume_after_kill(tiny_model_dir, tmp_path):
-    from offline_rl.agent_env import RepoEnv, TrustedTests, header
-    from offline_rl.repo_tasks import generate_repo_tasks
-    from offline_rl.rollout import min_budget
-    from policy.loading import load_tokenizer
-
     run = tmp_path / "run"
     tok, split = load_tokenizer(tiny_model_dir), generate_repo_tasks(seed=0, families=("trace",), heldout_per_family=1)
     prompt = max(len(tok(header(t), add_special_tokens=False)["input_ids"]) for t in [*split.train, *split.heldout])
