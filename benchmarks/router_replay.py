@@ -279,8 +279,8 @@ def run(settings, quick: bool, log: Callable[[str], None]) -> dict[str, Any]:
     torch.set_num_threads(settings.model.threads)
     device = settings.model.device
     size = dict(midtrain_steps=60 if quick else 200, n_prompts=16 if quick else 48)
-    # 16 samples per prompt: the off-KL is carried by the few tokens whose routes flipped, and with 4 the
-    # ratio of one run moved by a factor of several between engines sampling the same versions.
+    # 16 samples per prompt: the off-KL is carried by the few tokens whose routes flipped, so with few
+    # samples one run's ratio says little.
     measure_size = dict(samples=2 if quick else 16, max_new=12 if quick else 20, repeats=3 if quick else 7)
     with_vllm = not device.startswith("cuda") and _vllm_available()
     with tempfile.TemporaryDirectory(prefix="router-replay-") as tmp:
