@@ -201,7 +201,9 @@ class ReleaseGateSettings(Section):
                                   "share of candidates exactly as good as production that it lets through.")
     ope_margin: float = Field(0.0, ge=0, le=1, description="How far below production's realised accept rate the "
                               "candidate may be estimated before the test counts it as worse.")
-    min_heldout: int = Field(32, ge=1, description="Fewer held-out logged examples than this fails the gate.")
+    min_heldout: int = Field(32, ge=1, description="Held-out logged examples from production the off-policy "
+                             "check needs: with fewer the gate refuses, and a scheduled cycle waits for more "
+                             "traffic instead of training a candidate.")
     min_ess_share: float = Field(0.02, ge=0, le=1, description="The off-policy estimate's effective sample size "
                                  "(Σw)²/Σw² must be at least this share of the held-out examples; below it a few "
                                  "extreme importance weights carry the estimate and the gate refuses.")

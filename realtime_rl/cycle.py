@@ -282,6 +282,12 @@ def _skip_reason(settings, data: CycleData, force: bool) -> str | None:
     n_fresh = len(data.fresh(ds.train + ds.heldout))
     if n_fresh < settings.schedule.min_feedback and not force:
         return f"{n_fresh} new examples < min_feedback {settings.schedule.min_feedback}"
+    production = data.base["production_version"]
+    logged = sum(e.example.version == production for e in ds.heldout)
+    if logged < settings.release.min_heldout and not force:
+        # The gate's off-policy check needs them: training now would only make a candidate it refuses.
+        return f"{logged} held-out examples logged from {production} < release.min_heldout " \
+               f"{settings.release.min_heldout}"
     if not ds.train:
         return "no training examples after filtering"
     if max(abs(e.reward - ds.train[0].reward) for e in ds.train) == 0:

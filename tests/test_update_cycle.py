@@ -101,6 +101,13 @@ def test_skip_rules_min_feedback_and_no_production(tmp_path, sqlite_url, tiny_mo
     forced = run_update_cycle(w.settings, log=_quiet, force=True)
     assert forced.status in ("released", "refused")
 
+    # Too little held-out traffic from production for the gate's off-policy check: no candidate is trained.
+    (tmp_path / "heldout").mkdir()
+    w2 = make_world(tmp_path / "heldout", f"sqlite:///{tmp_path / 'heldout.db'}", tiny_model_dir,
+                    RELEASE__MIN_HELDOUT=100000)
+    r3 = run_update_cycle(w2.settings, log=_quiet)
+    assert r3.status == "skipped" and "release.min_heldout 100000" in r3.reason and r3.candidate_version is None
+
     from tests.rtrl_update_fixtures import make_settings
 
     empty, _ = make_settings(tmp_path / "empty", f"sqlite:///{tmp_path / 'empty.db'}")
