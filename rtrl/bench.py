@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "scale": "benchmarks.scale:run",
     "router-replay": "benchmarks.router_replay:run",
     "summarise": "benchmarks.summarise:run",
+    "demo": "benchmarks.demo:run",
 }
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 """Where full (not ``--quick``) runs append their JSON line, when rtrl runs from a source checkout."""

@@ -76,10 +76,16 @@ class DemoError(RuntimeError):
     """A stage did not reach its outcome; the message says which and why."""
 
 
+ENVS = ("functions", "agent")
+
+
 @dataclass(frozen=True)
 class DemoPlan:
-    """Sizes of one demo run. ``fast`` is the CI path; the default is sized for a short run on 2 cores."""
+    """Sizes of one demo run. ``fast`` is the CI path; the default is sized so that each real-time
+    release is trained and judged on about a thousand users' judgements (fewer leave a release's step
+    mostly noise), a short run on 2 cores."""
 
+    env: str
     offline_preset: str | None
     releases: int
     online_budget_s: float
@@ -89,15 +95,20 @@ class DemoPlan:
     final_requests: int
 
     @staticmethod
-    def for_mode(fast: bool) -> DemoPlan:
-        """``fast``: the offline stage on the function tasks (preset ``fast``); else the agent environment."""
+    def for_mode(fast: bool, env: str = "functions") -> DemoPlan:
+        """``env``: the offline stage's environment. ``functions`` (the ``functions`` preset: the
+        single-turn tasks the simulated users ask for, so the online stage starts from a model trained
+        for its users' requests) or ``agent`` (the default settings: multi-turn repository episodes,
+        tens of minutes; the online users still ask for single functions)."""
+        if env not in ENVS:
+            raise DemoError(f"unknown demo environment {env!r}; choose from {', '.join(ENVS)}")
+        preset = "functions" if env == "functions" else None
         if fast:
             # The realistic users judge about 6 of 10 completions: 160 fresh judgements per cycle take
             # about the requests 256 took when every completion was judged, so CI is not slowed down.
-            return DemoPlan(offline_preset="fast", releases=2, online_budget_s=300, update_interval="10s",
+            return DemoPlan(env=env, offline_preset=preset, releases=2, online_budget_s=300, update_interval="10s",
                             min_feedback=160, traffic_chunk=64, final_requests=128)
-        # About a thousand judgements per update: fewer leave each release's step mostly noise.
-        return DemoPlan(offline_preset=None, releases=3, online_budget_s=1500, update_interval="15s",
+        return DemoPlan(env=env, offline_preset=preset, releases=3, online_budget_s=1500, update_interval="15s",
                         min_feedback=1024, traffic_chunk=64, final_requests=1024)
 
 
@@ -124,6 +135,29 @@ class DemoState:
     def reset_from(self, stage: str) -> None:
         for later in STAGES[STAGES.index(stage):]:
             self.data["stages"].pop(later, None)
+
+    def forget_online(self) -> None:
+        """Drop what an online stage keeps outside its stage record (its start, swaps, users)."""
+        for key in ("online_started_at", "online_swaps", "online_user_kinds"):
+            self.data.pop(key, None)
+
+    def select(self, env: str, fast: bool, log: Callable[[str], None]) -> None:
+        """Record this run's mode; a different offline environment than the finished stages used
+        trains from mid-training again; a switch of ``--fast`` (the online stage's sizes) redoes the
+        online stage."""
+        # A state from before the environment was recorded: its full path was the agent environment.
+        previous = self.data.get("env") or (None if not self.data["stages"] else
+                                            "functions" if self.data.get("fast") else "agent")
+        if previous not in (None, env):
+            log(f"demo: switching the offline environment from {previous} to {env}: mid-training again")
+            self.reset_from("midtrain")
+            self.forget_online()
+        if self.data.get("fast") not in (None, fast):
+            log("demo: switching between --fast and the full run: running the online stage again")
+            self.reset_from("online")
+            self.forget_online()
+        self.data["env"], self.data["fast"] = env, fast
+        self.save()
 
 
 def demo_settings(settings: Settings, plan: DemoPlan) -> Settings:
@@ -437,14 +471,15 @@ def _timed(state: DemoState, stage: str, outputs: dict[str, Any]):
     state.finish(stage, outputs)
 
 
-def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, from_production: bool = False,
-             releases: int | None = None, log: Callable[[str], None] = print,
+def run_demo(settings: Settings, *, fast: bool = False, env: str = "functions", restart: bool = False,
+             from_production: bool = False, releases: int | None = None, log: Callable[[str], None] = print,
              summary_to_stderr: bool = False) -> dict[str, Any]:
-    """Run (or resume) the lifecycle; returns the summary that ``--json`` prints. ``releases``: end the
-    online stage after this many real-time releases instead of the plan's."""
+    """Run (or resume) the lifecycle; returns the summary that ``--json`` prints. ``env``: the offline
+    stage's environment (:meth:`DemoPlan.for_mode`). ``releases``: end the online stage after this
+    many real-time releases instead of the plan's."""
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    plan = DemoPlan.for_mode(fast)
+    plan = DemoPlan.for_mode(fast, env)
     if releases is not None:
         if releases < 1:
             raise DemoError(f"--releases must be at least 1, got {releases}")
@@ -454,13 +489,8 @@ def run_demo(settings: Settings, *, fast: bool = False, restart: bool = False, f
     state = DemoState(Path(s.var_dir) / "demo" / "state.json")
     if restart:
         state.reset_from("model")
-        state.data.pop("online_started_at", None)
-        state.data.pop("online_swaps", None)
-        state.data.pop("online_user_kinds", None)
-    if state.data.get("fast") not in (None, fast):
-        log("demo: switching between --fast and the full run: resetting the report stage only")
-        state.reset_from("report")
-    state.data["fast"] = fast
+        state.forget_online()
+    state.select(env, fast, log)
     if from_production and state.done("grpo") is None:
         production = Registry.from_settings(s.registry).channel("production")
         if production is None:

@@ -13,9 +13,12 @@ def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo(
         ctx: typer.Context,
-        fast: bool = typer.Option(False, "--fast", help="The reduced CI path: the offline stage on the single-turn "
-                                  "function tasks (the 'functions' preset, minutes instead of the agent "
-                                  "environment's tens of minutes), 2 real-time releases instead of 3."),
+        fast: bool = typer.Option(False, "--fast", help="The reduced CI path: 2 real-time releases instead of 3, "
+                                  "each trained on about 160 users' judgements instead of about 1,000."),
+        env: str = typer.Option("functions", "--env", help="The offline stage's environment: 'functions' (the "
+                                "single-turn tasks the simulated users ask for; minutes) or 'agent' (multi-turn "
+                                "repository episodes with tools; tens of minutes; the online users still ask "
+                                "for single functions)."),
         restart: bool = typer.Option(False, "--restart", help="Forget finished stages and start over "
                                      "(var/ contents are reused where they are valid)."),
         from_production: bool = typer.Option(False, "--from-production", help="Skip the offline stages: start "
@@ -33,7 +36,7 @@ def register(app: typer.Typer) -> None:
 
         settings = settings_or_exit(ctx, config)
         try:
-            summary = run_demo(settings, fast=fast, restart=restart, from_production=from_production,
+            summary = run_demo(settings, fast=fast, env=env, restart=restart, from_production=from_production,
                                releases=releases, log=lambda m: typer.echo(m, err=as_json), summary_to_stderr=as_json)
         except DemoError as err:
             typer.echo(f"demo stopped: {err}", err=True)
