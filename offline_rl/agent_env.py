@@ -27,7 +27,7 @@ The tools:
 * ``submit``: end the episode; the reward runs the *hidden* tests on the working copy.
 
 With a context budget (``context_budget`` > 0), an episode that would outgrow it is asked to summarise
-its work (:data:`SUMMARY_REQUEST`, written on the prompt line) and goes on from a fresh context
+its work (:data:`policy.summary.SUMMARY_REQUEST`, written on the prompt line) and goes on from a fresh context
 (:meth:`RepoEnv.restart`): the task header, the summary and (``summary_carry``) the last command
 and its output; the working copy is kept. The token accounting is the rollout's
 (:func:`offline_rl.rollout.play_episodes`).
@@ -52,6 +52,7 @@ from typing import Any, Protocol
 from offline_rl.repo_tasks import RepoTask, RepoTest, is_test_file, module_of, safe_path
 from offline_rl.sandbox import RunResult, Sandbox, SandboxPool, TestResult, canonical
 from offline_rl.tasks import TestCase
+from policy.summary import SUMMARY_PREFIX, clean_summary
 
 TOOLS = "ls | cat FILE | grep TEXT | edit FILE LINE TEXT | test | submit"
 PROMPT = "$ "
@@ -59,11 +60,6 @@ MAX_OBS_LINES = 8
 MAX_LINE_CHARS = 120
 MAX_EDIT_CHARS = 160
 ENTRY = "check"
-SUMMARY_REQUEST = "# context full: summarise in one line what you need to finish\n# summary: "
-"""What the environment writes on the prompt line when the next turn would not fit the context budget;
-the policy's next line is its summary."""
-SUMMARY_PREFIX = "# summary: "
-"""How the summary opens the fresh context."""
 CARRY = ("last_observation", "none")
 
 # The program the sandbox runs: the working copy's modules, each executed in a module object of its
@@ -252,11 +248,6 @@ class Submission:
 
 def header(task: RepoTask) -> str:
     return f"# issue: {task.issue}\n# tools: {TOOLS}\n{PROMPT}"
-
-
-def clean_summary(text: str) -> str:
-    """The summary as the fresh context shows it: its first line, stripped."""
-    return text.split("\n", 1)[0].strip()
 
 
 class RepoEnv:

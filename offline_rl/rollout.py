@@ -20,20 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from offline_rl.agent_env import (
-    SUMMARY_PREFIX,
-    SUMMARY_REQUEST,
-    RepoEnv,
-    SandboxTests,
-    behaviour,
-    clean_summary,
-)
+from offline_rl.agent_env import RepoEnv, SandboxTests, behaviour
 from offline_rl.env import CodingEnv
 from offline_rl.repo_tasks import RepoTask
 from offline_rl.rewards import Answer, PendingRewards, RewardFunction
 from offline_rl.tasks import Task
 from policy.routes import Routes, extend
 from policy.sampling import FINISH_STOP, RowCache, Sample, SamplingParams, generate_ids
+from policy.summary import SUMMARY_PREFIX, SUMMARY_REQUEST, clean_summary
 from policy.vllm_runtime import build_llm, reload_weights
 
 STOP = ["\n"]

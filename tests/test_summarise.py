@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from offline_rl.agent_env import SUMMARY_REQUEST, TOOLS, RepoEnv, TrustedTests, header
+from offline_rl.agent_env import TOOLS, RepoEnv, TrustedTests, header
 from offline_rl.evaluate import summary_metrics
 from offline_rl.grpo import GRPOTrainer
 from offline_rl.remote import decode_batch, encode_batch
@@ -17,6 +17,7 @@ from offline_rl.repo_tasks import generate_repo_tasks
 from offline_rl.rollout import BudgetError, Segment, Trajectory, min_budget, play_episodes, summary_reserve
 from offline_rl.workers import RolloutBatch
 from policy.sampling import FINISH_STOP, Sample
+from policy.summary import SUMMARY_REQUEST
 from rtrl.config import load_settings
 
 
