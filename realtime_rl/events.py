@@ -64,6 +64,18 @@ class RoutesRecord(TypedDict):
     data: str
 
 
+class SessionRecord(TypedDict):
+    """Where a completion sits in a long agent session that the gateway summarised (the chat
+    ``session`` extension): the context it was written in (``segment``, 0 = the first), the completion
+    id of the summary that context started from (``summary_id``, None in the first), and whether the
+    completion is itself a summary (``summary``: written at the end of context ``segment``). Validated
+    as a plain dict, like the routes."""
+
+    segment: Annotated[int, Field(ge=0)]
+    summary_id: Annotated[str | None, Field(max_length=128)]
+    summary: bool
+
+
 class CompletionEvent(_Event):
     """One served completion: everything a later update needs to learn from it."""
 
@@ -84,6 +96,9 @@ class CompletionEvent(_Event):
     routes: RoutesRecord | None = Field(None, description="Mixture-of-experts models: the experts each MoE layer "
                                         "chose at every position, for router replay in the updater; None for dense "
                                         "models.")
+    session: SessionRecord | None = Field(None, description="Completions of a summarised agent session: which "
+                                          "context, after which summary, and whether it is a summary; None "
+                                          "outside sessions.")
     sampling: SamplingRecord = Field(default_factory=SamplingRecord)
     finish_reason: str = "stop"
     latency_ms: float = 0.0

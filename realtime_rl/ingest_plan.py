@@ -39,12 +39,13 @@ COPY_MIN_ROWS = 200
 
 COMPLETION_COLUMNS = ("completion_id", "event_id", "caller", "model", "version", "prompt", "completion",
                       "prompt_token_ids", "completion_token_ids", "logprobs", "sampling_logprobs", "routes",
-                      "sampling", "finish_reason", "latency_ms", "task_bucket", "choice_index", "created_at")
+                      "session", "sampling", "finish_reason", "latency_ms", "task_bucket", "choice_index",
+                      "created_at")
 FEEDBACK_COLUMNS = ("event_id", "completion_id", "caller", "version", "signal", "kept_text", "score", "comment",
                     "created_at", "is_latest")
 """The staged columns, in tuple order; ``ingested_at`` is added by the INSERT ... SELECT."""
 PG_COPY_TYPES = {
-    "completions": ("text",) * 7 + ("text",) * 6 + ("text", "float8", "text", "int4", "timestamptz"),
+    "completions": ("text",) * 7 + ("text",) * 7 + ("text", "float8", "text", "int4", "timestamptz"),
     "feedback": ("text",) * 6 + ("float8", "text", "timestamptz", "bool"),
 }
 """Binary COPY dumpers per staged column (``text`` for the json columns: their binary form is text)."""
@@ -153,8 +154,8 @@ def encode_rows(staging: str, table: str, fields: list, times: list) -> list[tup
         values, prompt_ids, completion_ids, samplings = fields
         sampling_json: dict[str, str] = {}
         return [(*f[:7], p, c, to_json(f[7]).decode(), None if f[8] is None else to_json(f[8]).decode(),
-                 None if f[9] is None else to_json(f[9]).decode(), _sampling_json(sampling, sampling_json),
-                 *f[10:], ts)
+                 None if f[9] is None else to_json(f[9]).decode(), None if f[10] is None else to_json(f[10]).decode(),
+                 _sampling_json(sampling, sampling_json), *f[11:], ts)
                 for f, p, c, sampling, ts in zip(values, prompt_ids, completion_ids, samplings, times, strict=True)]
     values, newest = fields
     if staging == "postgresql":
@@ -220,9 +221,10 @@ _ENCODE_SLICE = 256
 
 _event_dict = operator.attrgetter("event.__dict__")
 _completion_fields = operator.itemgetter(*COMPLETION_COLUMNS[:7], "logprobs", "sampling_logprobs", "routes",
-                                         *COMPLETION_COLUMNS[13:17])
+                                         "session", *COMPLETION_COLUMNS[14:18])
 """A completion's text columns, its two log-prob lists, its route record (a plain dict; None but for
-mixture-of-experts models), and the 4 columns after ``sampling``."""
+mixture-of-experts models), its session record (a plain dict; None outside summarised sessions), and
+the 4 columns after ``sampling``."""
 _prompt_ids = operator.itemgetter("prompt_token_ids")
 _completion_ids = operator.itemgetter("completion_token_ids")
 _sampling = operator.itemgetter("sampling")

@@ -141,7 +141,7 @@ def _completion_row(e: CompletionEvent, now: datetime) -> dict[str, Any]:
         "completion_id": e.completion_id, "event_id": e.event_id, "caller": e.caller, "model": e.model,
         "version": e.version, "prompt": e.prompt, "completion": e.completion,
         "prompt_token_ids": e.prompt_token_ids, "completion_token_ids": e.completion_token_ids,
-        "logprobs": e.logprobs, "sampling_logprobs": e.sampling_logprobs, "routes": e.routes,
+        "logprobs": e.logprobs, "sampling_logprobs": e.sampling_logprobs, "routes": e.routes, "session": e.session,
         "sampling": e.sampling.model_dump(mode="json"), "finish_reason": e.finish_reason,
         "latency_ms": e.latency_ms, "task_bucket": e.task_bucket, "choice_index": e.choice_index,
         "created_at": utc(e.ts), "ingested_at": now,

@@ -78,6 +78,7 @@ class Completion(Base):
     logprobs: Mapped[list[float]] = mapped_column(JSON)
     sampling_logprobs: Mapped[list[float] | None] = mapped_column(NullableJSON, nullable=True)
     routes: Mapped[dict[str, Any] | None] = mapped_column(NullableJSON, nullable=True)
+    session: Mapped[dict[str, Any] | None] = mapped_column(NullableJSON, nullable=True)
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     finish_reason: Mapped[str] = mapped_column(String(32))
     latency_ms: Mapped[float] = mapped_column(Float)

@@ -2,7 +2,8 @@
 
 Extras on the wire (the contract other stages rely on): every choice carries ``completion_id`` and
 ``feedback_token``; the response's ``model`` is ``name@version``; a request may pass
-``metadata: {"task_bucket": "..."}``. Fields OpenAI defines that this gateway cannot honour
+``metadata: {"task_bucket": "..."}``; a chat request may pass ``session`` (long agent sessions,
+summarised when they outgrow a context budget) and its response then carries ``session``. Fields OpenAI defines that this gateway cannot honour
 (``echo``, ``best_of``, ``suffix``, penalties, ``logit_bias``, tools) are refused with 422 when set to
 anything but their neutral value, instead of being silently ignored.
 """
@@ -108,8 +109,27 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class SessionOptions(_Body):
+    """rtrl extension for long agent sessions (docs/agent.md, "Self-summarisation"): when the
+    conversation would outgrow ``context_budget``, the model first summarises it (the summary turn it
+    was trained with), then answers from a fresh context: the first message, the summary and the last
+    exchange. The response's ``session`` says what happened and what to send next."""
+
+    context_budget: int = Field(ge=1, description="Tokens one context of the session may hold: the "
+                                "conversation, the answer (max_tokens) and room for a summary turn.")
+    segment: int = Field(0, ge=0, le=1_000_000, description="Which context of the session this conversation is "
+                         "(0: the first): the previous response's session.segment.")
+    summary_id: str | None = Field(None, min_length=1, max_length=128, description="The completion id of the "
+                                   "summary this context starts from: the previous response's session.summary_id.")
+    summary_max_tokens: int = Field(48, ge=1, le=1024, description="Cap of one summary, in tokens.")
+    carry: Literal["last_observation", "none"] = Field(
+        "last_observation", description="What the fresh context keeps besides the first message and the "
+        "summary: the last assistant message and what followed it, or nothing.")
+
+
 class ChatRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    session: SessionOptions | None = Field(None, description="rtrl extension: summarise long sessions.")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -119,6 +139,8 @@ class ChatRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _chat_unsupported(self):
+        if self.session is not None and (self.n != 1 or self.stream):
+            raise ValueError("session works with n=1 and without stream")
         if self.tools or self.tool_choice not in (None, "none"):
             raise ValueError("tools are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
@@ -187,6 +209,22 @@ class ChatChoice(BaseModel):
     feedback_token: str
 
 
+class SessionInfo(BaseModel):
+    """What the gateway did with a request's ``session``."""
+
+    segment: int = Field(description="The context the answer was written in: send it back as session.segment.")
+    summary_id: str | None = Field(description="The completion id of the summary that context starts from "
+                                   "(send it back as session.summary_id); None in the first context.")
+    summarised: bool = Field(description="Whether this request summarised the conversation.")
+    summary: str | None = Field(None, description="The summary (when summarised).")
+    summary_feedback_token: str | None = Field(None, description="The summary's feedback token: it is a "
+                                               "completion of its own (`POST /v1/feedback` with summary_id).")
+    messages: list[ChatMessage] | None = Field(None, description="When summarised: the conversation the answer "
+                                               "was written from, to continue the session with (append the "
+                                               "answer and what follows to it).")
+    prompt_tokens: int = Field(description="Tokens of the context the answer was written from.")
+
+
 class ChatResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -195,6 +233,7 @@ class ChatResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    session: SessionInfo | None = Field(None, description="rtrl extension: present when the request had one.")
 
 
 class ChatDelta(BaseModel):

@@ -48,7 +48,7 @@ def _lax() -> list[bytes]:
             "completion": "x", "prompt_token_ids": [1, 2], "completion_token_ids": [3, 4], "logprobs": [-1, -0.5]}
     events = [
         {**base, "event_id": "e1", "completion_id": "lax-offset", "ts": "2026-11-30T14:00:03.5+02:00", "routes": routes,
-         "sampling_logprobs": ["-2", -1e-7], "sampling": {"temperature": -0.0, "stop": ["\n", "é"], "seed": 3}},
+         "session": {"segment": "2", "summary_id": "c-1", "summary": False}, "sampling_logprobs": ["-2", -1e-7], "sampling": {"temperature": -0.0, "stop": ["\n", "é"], "seed": 3}},
         {**base, "event_id": "e2", "completion_id": "lax-naive", "ts": "2026-11-30T12:00:02", "latency_ms": "12.5",
          "choice_index": "1", "future_field": {"nested": [1]}, "sampling": {"temperature": 0}},
         {**base, "completion_id": "lax-unix", "ts": 1_800_000_000, "sampling": {"temperature": 0.0}},
@@ -118,14 +118,14 @@ def test_lax_values_are_encoded_as_the_column_types_write_them(monkeypatch) -> N
         by_id[dialect] = {r[0]: r for r in staged_rows(plan, "completions")}
     lite, pg = by_id["sqlite"], by_id["postgresql"]
     routes = json.dumps(LAX_ROUTES.to_wire(), separators=(",", ":"))
-    assert lite["lax-offset"][7:13] == ("[1,2]", "[3,4]", "[-1.0,-0.5]", "[-2.0,-1e-7]", routes,
-                                        '{"temperature":-0.0,"top_p":1.0,"top_k":0,"max_tokens":16,'
+    assert lite["lax-offset"][7:14] == ("[1,2]", "[3,4]", "[-1.0,-0.5]", "[-2.0,-1e-7]", routes,
+                                        '{"segment":2,"summary_id":"c-1","summary":false}', '{"temperature":-0.0,"top_p":1.0,"top_k":0,"max_tokens":16,'
                                         '"stop":["\\n","é"],"seed":3}')
     assert lite["lax-offset"][-1] == "2026-11-30 12:00:03.500000"
     assert pg["lax-offset"][-1] == datetime(2026, 11, 30, 12, 0, 3, 500000, tzinfo=UTC)
-    assert lite["lax-naive"][10:13] == (None, None, '{"temperature":0.0,"top_p":1.0,"top_k":0,"max_tokens":16,'
+    assert lite["lax-naive"][10:14] == (None, None, None, '{"temperature":0.0,"top_p":1.0,"top_k":0,"max_tokens":16,'
                                                     '"stop":[],"seed":null}')
-    assert lite["lax-naive"][13:] == ("stop", 12.5, None, 1, "2026-11-30 12:00:02.000000")
+    assert lite["lax-naive"][14:] == ("stop", 12.5, None, 1, "2026-11-30 12:00:02.000000")
     assert pg["lax-naive"][-1] == datetime(2026, 11, 30, 12, 0, 2, tzinfo=UTC)
     assert lite["lax-unix"][-1] == "2027-01-15 08:00:00.000000"
     assert lite["lax-empty"][7:9] == ("[]", f"[0,{2**31 - 1}]")

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from policy.sampling import ContextTooLong, SamplingParams
-from realtime_rl.events import CompletionEvent, FeedbackEvent, SamplingRecord
-from serving.api import render
+from policy.summary import SUMMARY_PREFIX, SUMMARY_REQUEST, clean_summary
+from realtime_rl.events import CompletionEvent, FeedbackEvent, SamplingRecord, SessionRecord
+from serving.api import render, sessions
 from serving.api.errors import APIError, engine_error
 from serving.api.plan import Plan, Prompted, SamplingRequest
 from serving.api.streaming import StreamSession
@@ -28,6 +29,7 @@ from serving.chat import render_chat
 from serving.engines.base import PRODUCTION, EngineClosed, Generation, Overloaded
 from serving.gateway import Gateway, UnknownModel
 from serving.schemas import (
+    ChatMessage,
     ChatRequest,
     ChatResponse,
     CompletionRequest,
@@ -37,6 +39,7 @@ from serving.schemas import (
     ModelCard,
     ModelList,
     Readiness,
+    SessionInfo,
 )
 
 log = logging.getLogger("serving.api")
@@ -172,10 +175,58 @@ class GatewayHandler:
         return await self._reply(p, render.completion_response, t_start)
 
     async def chat(self, key_id: str, req: ChatRequest, t_start: float | None = None) -> Reply:
+        if req.session is not None:
+            return await self.session_chat(key_id, req, t_start)
         p = self.chat_prompts(key_id, req)
         return await self._reply(p, render.chat_response, t_start)
 
-    async def _reply(self, p: Prompted, build, t_start: float | None) -> Reply:
+    async def session_chat(self, key_id: str, req: ChatRequest, t_start: float | None = None) -> Reply:
+        """A chat request with ``session`` (:mod:`serving.api.sessions`): answered as it is while its
+        context has room, else summarised first and answered from the fresh context."""
+        opts = req.session
+        p = self.chat_prompts(key_id, req)
+        budget = sessions.Budget(opts.context_budget, p.max_tokens or self.serving.default_max_tokens,
+                                 len(self.encode(SUMMARY_REQUEST)) + opts.summary_max_tokens)
+        here = SessionRecord(segment=opts.segment, summary_id=opts.summary_id, summary=False)
+        if budget.fits(len(p.prompts[0])):
+            reply = await self._reply(p, render.chat_response, t_start, session=here)
+            reply.body.session = SessionInfo(segment=opts.segment, summary_id=opts.summary_id, summarised=False,
+                                             prompt_tokens=len(p.prompts[0]))
+            return reply
+        # The smallest context after a summary: the first message and a summary of the cap's length.
+        least = opts.summary_max_tokens + len(self.encode(render_chat(
+            self.tokenizer, [req.messages[0], ChatMessage(role="user", content=SUMMARY_PREFIX)])))
+        if len(req.messages) < 2 or not budget.fits(least):
+            raise sessions.too_small(opts, least, budget)
+        # The summary turn: the conversation, the summary request, one line of at most summary_max_tokens.
+        asked = req.model_copy(update={"messages": sessions.summary_request(req.messages), "stop": ["\n"],
+                                       "max_tokens": opts.summary_max_tokens, "max_completion_tokens": None})
+        summarised = await self._reply(self.chat_prompts(key_id, asked), render.chat_response, t_start,
+                                       session={**here, "summary": True})
+        choice = summarised.body.choices[0]
+        text = clean_summary(choice.message.content)
+        after = SessionRecord(segment=opts.segment + 1, summary_id=choice.completion_id, summary=False)
+        fresh = sessions.fresh_context(req.messages, text, carry=opts.carry == "last_observation")
+        answer = self.chat_prompts(key_id, req.model_copy(update={"messages": fresh}))
+        if not budget.fits(len(answer.prompts[0])) and len(fresh) > 2:  # the carried exchange leaves no room
+            fresh = fresh[:2]
+            answer = self.chat_prompts(key_id, req.model_copy(update={"messages": fresh}))
+        try:
+            reply = await self._reply(answer, render.chat_response, t_start, session=after)
+        except BaseException:
+            summarised.after()  # the summary was served: its event is recorded whatever happens next
+            raise
+        reply.body.session = SessionInfo(segment=after["segment"], summary_id=choice.completion_id, summarised=True,
+                                         summary=text, summary_feedback_token=choice.feedback_token,
+                                         messages=fresh, prompt_tokens=len(answer.prompts[0]))
+
+        def both() -> None:
+            summarised.after()
+            reply.after()
+
+        return Reply(reply.body, reply.headers, both)
+
+    async def _reply(self, p: Prompted, build, t_start: float | None, session: SessionRecord | None = None) -> Reply:
         if t_start is not None:
             p.t_start = t_start
         plan = self.plan(p)
@@ -204,7 +255,7 @@ class GatewayHandler:
 
         def after() -> None:
             try:
-                self.record(p, gens, plan.max_new, total, ids, reserved=True)
+                self.record(p, gens, plan.max_new, total, ids, reserved=True, session=session)
                 self.observe(p.route, total, engine_s)
             except Exception:  # noqa: BLE001 - the response is out; never lose the others' events over it
                 log.exception("recording a completion after its response failed")
@@ -223,9 +274,10 @@ class GatewayHandler:
         return session.events()
 
     def record(self, p: Prompted, gens: list[Generation], max_new: int, latency_s: float,
-               ids: render.Attribution, reserved: bool = False) -> None:
+               ids: render.Attribution, reserved: bool = False, session: SessionRecord | None = None) -> None:
         """Emit each choice's completion event (``latency_s``: until the response was ready).
-        ``reserved``: the events were announced with ``emitter.reserve`` before the response went out."""
+        ``reserved``: the events were announced with ``emitter.reserve`` before the response went out;
+        ``session``: the session record of a summarised agent session's completion."""
         req, m = p.req, self.metrics
         sampling = SamplingRecord(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                   max_tokens=max_new, stop=list(req.stop), seed=req.seed)
@@ -238,7 +290,7 @@ class GatewayHandler:
                 logprobs=sample.logprobs, sampling_logprobs=sample.sampling_logprobs, sampling=sampling,
                 routes=None if sample.routes is None else sample.routes.to_wire(),
                 finish_reason=sample.finish_reason, latency_ms=latency_s * 1000, task_bucket=req.task_bucket,
-                choice_index=idx), reserved=reserved)
+                choice_index=idx, session=session), reserved=reserved)
             m.completions.labels(g.version).inc()
             m.tokens.inc(len(sample.token_ids))
 
