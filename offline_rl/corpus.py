@@ -17,11 +17,12 @@ documents grouped by length, so a step costs about the same whatever it holds an
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from offline_rl.config import MidtrainSettings, TaskSettings
 from offline_rl.demos import DemoHabits, Segment, transcript_text, transcripts
+from offline_rl.repo_tasks import FAMILIES
 from offline_rl.tasks import corpus as function_corpus
 from policy.config import TinyModelSettings
 from policy.tiny import build_tiny_model
@@ -54,12 +55,14 @@ def segment_ids(tokenizer, segments: list[Segment]) -> list[int]:
 
 
 def documents(n: int, seed: int, split_seed: int, heldout_fraction: float, agent_share: float,
-              habits: DemoHabits | None = None) -> Iterator[list[Segment]]:
-    """``n`` documents drawn with ``seed``, a share ``agent_share`` of them agent transcripts, the rest
-    function documents; none touches a function held out by the split with ``split_seed``."""
+              habits: DemoHabits | None = None, families: Sequence[str] = FAMILIES) -> Iterator[list[Segment]]:
+    """``n`` documents drawn with ``seed``, a share ``agent_share`` of them agent transcripts (of the
+    task ``families`` in turn), the rest function documents; none touches a function held out by the
+    split with ``split_seed``."""
     rng = random.Random(seed + 70_001)
     fdocs = function_corpus(n, seed=seed, heldout_fraction=heldout_fraction, split_seed=split_seed)
-    tdocs = transcripts(n, seed=seed, heldout_fraction=heldout_fraction, habits=habits, split_seed=split_seed)
+    tdocs = transcripts(n, seed=seed, heldout_fraction=heldout_fraction, habits=habits, split_seed=split_seed,
+                        families=families)
     for _ in range(n):
         yield next(tdocs) if rng.random() < agent_share else function_segments(next(fdocs))
 
@@ -99,9 +102,11 @@ def token_batches(tokenizer, docs: Iterable[list[Segment]], batch_tokens: int) -
 
 def midtrain_batches(tokenizer, cfg: MidtrainSettings, tasks: TaskSettings) -> Iterator[list[list[int]]]:
     """Mid-training batches: documents drawn with ``midtrain.seed``, held-out functions those of the
-    task split (``tasks.seed``, ``tasks.heldout_fraction``) the model is evaluated on."""
+    task split (``tasks.seed``, ``tasks.heldout_fraction``) the model is evaluated on, transcripts of
+    the configured task families (``tasks.repo_families``)."""
     habits = DemoHabits(**cfg.demo_habits) if cfg.demo_habits else None
-    docs = documents(1 << 40, cfg.seed, tasks.seed, tasks.heldout_fraction, cfg.agent_share, habits)
+    docs = documents(1 << 40, cfg.seed, tasks.seed, tasks.heldout_fraction, cfg.agent_share, habits,
+                     families=tuple(tasks.repo_families))
     return token_batches(tokenizer, docs, cfg.batch_tokens)
 
 

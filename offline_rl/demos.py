@@ -27,7 +27,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from offline_rl.agent_env import RepoEnv, RepoState, TrustedTests, header
-from offline_rl.repo_tasks import FAMILIES, RepoTask, define, is_test_file, make_repo_task, module_of
+from offline_rl.repo_tasks import (
+    ALL_FAMILIES,
+    FAMILIES,
+    RepoTask,
+    define,
+    is_test_file,
+    make_repo_task,
+    module_of,
+)
 from offline_rl.tasks import FunctionSpec, split_specs
 
 
@@ -49,6 +57,9 @@ class DemoHabits:
     """After a failing run that followed an edit, edit again (otherwise submit anyway)."""
     correct: float = 0.8
     """An informed edit writes the right line (otherwise a plausible wrong one)."""
+    read_notes: float = 0.8
+    """``trace`` tasks: read the notes module the issue names first (its rule is what informs the
+    fix; the one visible test does not)."""
     max_edits: int = 4
 
 
@@ -134,9 +145,17 @@ class Demonstrator:
         segs: list[Segment] = [(header(task), False)]
         todo = _edits(task, self._wrong)
         informed, seen, edits = False, set(), 0
+        # A trace task's rule is in its notes module: reading it is what informs the fix (the single
+        # visible test does not pin the function down), so running the tests informs nothing there.
+        notes = task.issue.rsplit(" ", 1)[-1] if task.family == "trace" else None
+        if notes is not None and rng.random() < h.read_notes:
+            self._do(st, segs, f"cat {notes}")
+            seen.add(notes)
+            informed = True
+        tests_inform = notes is None
         if rng.random() < h.test_first:
             self._do(st, segs, "test")
-            informed = True
+            informed = informed or tests_inform
         if rng.random() < h.look_around:
             self._do(st, segs, "ls")
         while todo and not st.done and edits < h.max_edits:
@@ -144,7 +163,7 @@ class Demonstrator:
             self._locate(st, segs, edit, seen)
             if st.done:
                 break
-            if edit.needs_tests and not informed and rng.random() >= h.blind_edit:
+            if edit.needs_tests and not informed and tests_inform and rng.random() >= h.blind_edit:
                 self._do(st, segs, "test")
                 informed = True
             right = (informed or not edit.needs_tests) and rng.random() < h.correct
@@ -158,7 +177,7 @@ class Demonstrator:
             if st.done or rng.random() >= h.verify:
                 break
             self._do(st, segs, "test")
-            informed = True
+            informed = informed or tests_inform
             if st.turns[-1].tests_passed or rng.random() >= h.retry:
                 break
             if not todo:  # the last edit was right but tests still fail (an earlier wrong one): redo all
@@ -168,16 +187,16 @@ class Demonstrator:
         return segs
 
 
-def transcripts(n: int, seed: int = 0, heldout_fraction: float = 0.2,
-                habits: DemoHabits | None = None, split_seed: int | None = None) -> Iterator[list[Segment]]:
-    """``n`` transcripts over freshly drawn *training* tasks: held-out functions of the split with
-    ``split_seed`` (default: ``seed``) never appear."""
+def transcripts(n: int, seed: int = 0, heldout_fraction: float = 0.2, habits: DemoHabits | None = None,
+                split_seed: int | None = None, families: Sequence[str] = FAMILIES) -> Iterator[list[Segment]]:
+    """``n`` transcripts over freshly drawn *training* tasks of ``families`` in turn: held-out functions
+    of the split with ``split_seed`` (default: ``seed``) never appear."""
     habits = habits or DemoHabits()
     train_specs, _ = split_specs(seed if split_seed is None else split_seed, heldout_fraction)
     rng = random.Random(seed + 50_021)
     demo = Demonstrator(habits, train_specs, rng)
     for i in range(n):
-        family = FAMILIES[i % len(FAMILIES)]
+        family = families[i % len(families)]
         spec = train_specs[rng.randrange(len(train_specs))]
         task = make_repo_task(family, spec, train_specs, rng, f"demo-{i}", "train")
         yield demo.episode(task)
@@ -194,8 +213,8 @@ def task_transcripts(tasks: Sequence[RepoTask], habits: DemoHabits | None = None
     if not tasks:
         raise ValueError("no tasks to demonstrate")
     for t in tasks:
-        if t.family not in FAMILIES or "reference" not in t.metadata:
-            raise ValueError(f"task {t.task_id}: only generated tasks of the families {', '.join(FAMILIES)} "
+        if t.family not in ALL_FAMILIES or "reference" not in t.metadata:
+            raise ValueError(f"task {t.task_id}: only generated tasks of the families {', '.join(ALL_FAMILIES)} "
                              "can be demonstrated")
         if t.split == "heldout":
             raise ValueError(f"task {t.task_id} is held out: transcripts would show its solution")

@@ -17,6 +17,7 @@ from offline_rl.repo_tasks import (
     TaskFormatError,
     generate_repo_tasks,
     load_repo_tasks,
+    make_repo_task,
     write_repo_tasks,
 )
 from offline_rl.rewards import RewardFunction
@@ -141,6 +142,26 @@ def test_demonstrations_replay_identically_in_the_sandbox(pool):
             if is_action:
                 sandboxed.step(st, text.rstrip("\n"))
         assert st.context == transcript_text(segs), task.task_id
+
+
+def test_trace_demonstrations_read_the_rule_and_fix_with_it():
+    """The demonstrator's trace episodes open the notes module the issue names, and only then write the
+    rule's body; without the notes (read_notes 0) the single visible test does not inform the fix."""
+    import random
+
+    train_specs, _ = split_specs(0, 0.2)
+    tasks = [make_repo_task("trace", spec, train_specs, random.Random(i), f"t{i}", "train")
+             for i, spec in enumerate(train_specs[:8])]
+    informed = Demonstrator(DemoHabits(read_notes=1.0, correct=1.0), train_specs, random.Random(1))
+    blind = Demonstrator(DemoHabits(read_notes=0.0, correct=1.0, test_first=1.0), train_specs, random.Random(1))
+    for task in tasks:
+        notes = task.issue.rsplit(" ", 1)[-1]
+        rule = task.metadata["reference"]
+        text = transcript_text(informed.episode(task))
+        assert text.splitlines()[2] == f"$ cat {notes}", text
+        assert f"return {rule}" in text.split("$ edit", 1)[1].splitlines()[0], text
+        unread = transcript_text(blind.episode(task))
+        assert f"return {rule}" not in unread.split("$ edit", 1)[1].splitlines()[0], unread
 
 
 def test_trusted_runner_is_never_the_environment_default(pool):
