@@ -170,6 +170,10 @@ class UpdateSettings(Section):
     minibatch_size: int = Field(64, ge=1, description="Examples per optimizer step.")
     lr: float = Field(3e-5, gt=0, description="AdamW learning rate of the update (how the default was chosen: "
                       "docs/algorithms.md, single-rollout update).")
+    backtrack: float = Field(0.5, gt=0, le=1, description="After k candidates of the same production refused "
+                             "in a row, the next update runs at lr x backtrack^k: a refusal says the step went "
+                             "too far, so the next one is shorter, as a line search backtracks (1 = off).")
+    min_lr_scale: float = Field(0.125, gt=0, le=1, description="The backtracking's floor, as a share of lr.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip.")
     seed: int = Field(0, description="Shuffling seed.")

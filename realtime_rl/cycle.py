@@ -31,6 +31,7 @@ from realtime_rl.locks import updater_lock
 from realtime_rl.ope import canary_sequential_test
 from realtime_rl.release import (
     RegistryStore,
+    consecutive_refusals,
     default_evaluator,
     emit_version_event,
     evaluate_gate,
@@ -99,7 +100,7 @@ def train_candidate(settings, policy, production: str, examples: Sequence[Traini
         return train_policy(policy.model, examples, advantages, settings.update, pad_token_id=pad_token_id,
                             log=log, should_stop=should_stop)
     dp.broadcast((_TRAIN, {"production": production, "examples": list(examples), "advantages": list(advantages),
-                           "pad_token_id": pad_token_id}))
+                           "pad_token_id": pad_token_id, "lr": settings.update.lr}))
     metrics, state = _train_sharded(dp, settings, production, examples, advantages, pad_token_id, log, should_stop)
     policy.model.load_state_dict(state)
     return metrics
@@ -122,8 +123,11 @@ def _follow(dp: DataParallel, settings) -> CycleResult:
             if payload is None:
                 raise RuntimeError("rank 0's update cycle failed; see its log")
             return payload
-        _train_sharded(dp, settings, payload["production"], payload["examples"], payload["advantages"],
-                       payload["pad_token_id"], lambda _m: None, lambda: False)
+        # Rank 0's learning rate (the backtracking after refusals is decided there).
+        update = settings.update.model_copy(update={"lr": payload["lr"]})
+        _train_sharded(dp, settings.model_copy(update={"update": update}), payload["production"],
+                       payload["examples"], payload["advantages"], payload["pad_token_id"], lambda _m: None,
+                       lambda: False)
 
 
 def _cycle(settings, *, force: bool, log: Callable[[str], None], store, evaluator, producer,
@@ -245,6 +249,7 @@ class CycleData:
     base: dict[str, Any]  # the run row's fields known before training
     prev: dict[str, Any] | None  # the last run that trained (released, refused or canary)
     prev_until: datetime | None
+    refusals: int = 0  # candidates of this production refused in a row (the step backtracks)
 
     def fresh(self, examples: Sequence[TrainingExample]) -> list[TrainingExample]:
         """The examples whose feedback arrived after the last run that trained."""
@@ -257,6 +262,7 @@ def _gather(settings, engine: sa.Engine, run_id: str, production: str, policy, n
         last_release = last_run(conn, ["released", "canary"])
         prev = last_run(conn, ["released", "refused", "canary"])
         history = load_bucket_stats(conn)
+        refusals = consecutive_refusals(conn, production)
     since = last_release["data_until"] if last_release else None
     ds = build_dataset(load_logged(engine, since=since), settings.update, production=production,
                        admitted_versions=_previous_productions(engine, production), now=now,
@@ -270,7 +276,7 @@ def _gather(settings, engine: sa.Engine, run_id: str, production: str, policy, n
     base = {"run_id": run_id, "production_version": production, "fingerprint": ds.fingerprint,
             "data_since": since, "data_until": ds.data_until, "n_train": len(ds.train),
             "n_heldout": len(ds.heldout), "started_at": started}
-    return CycleData(ds, history, base, prev, prev["data_until"] if prev else None)
+    return CycleData(ds, history, base, prev, prev["data_until"] if prev else None, refusals)
 
 
 def _skip_reason(settings, data: CycleData, force: bool) -> str | None:
@@ -302,8 +308,15 @@ def _train_and_release(settings, engine: sa.Engine, run_id: str, data: CycleData
     log(f"update {run_id}: {len(ds.train)} train / {len(ds.heldout)} held-out examples from {production}")
     pad = policy.tokenizer.pad_token_id or 0
     adv, baseline = compute_advantages(ds.train, settings.update, data.history, policy.model, pad)
+    u = settings.update
+    lr_scale = max(u.backtrack ** data.refusals, u.min_lr_scale)
+    if lr_scale < 1:
+        log(f"update {run_id}: {data.refusals} candidate(s) of {production} refused in a row: "
+            f"learning rate x {lr_scale:g}")
+        settings = settings.model_copy(update={"update": u.model_copy(update={"lr": u.lr * lr_scale})})
     train_metrics = train_candidate(settings, policy, production, ds.train, adv, pad_token_id=pad, log=log,
                                     should_stop=should_stop)
+    train_metrics["lr_scale"] = lr_scale
     if tamper is not None:  # a benchmark's sabotage: the gate below must catch what it did
         note = tamper(policy.model)
         if note:

@@ -177,6 +177,20 @@ def last_run(conn: sa.Connection, statuses: Sequence[str]) -> dict[str, Any] | N
     return dict(row) if row else None
 
 
+def consecutive_refusals(conn: sa.Connection, production: str, limit: int = 64) -> int:
+    """Candidates of ``production`` the gate refused since the last run that released (or canaried)
+    one: the newest trained runs, counted while they are refusals of this production."""
+    q = (sa.select(update_runs.c.status, update_runs.c.production_version)
+         .where(update_runs.c.status.in_(["released", "refused", "canary"]))
+         .order_by(update_runs.c.finished_at.desc()).limit(limit))
+    n = 0
+    for status, parent in conn.execute(q):
+        if status != "refused" or parent != production:
+            break
+        n += 1
+    return n
+
+
 def write_record(engine: sa.Engine, run: dict[str, Any], release: dict[str, Any] | None,
                  baseline_stats=None) -> None:
     """The run row, its release row and the new baseline: one transaction."""

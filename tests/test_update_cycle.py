@@ -94,6 +94,20 @@ def test_harmful_update_is_refused_and_visible(tmp_path, sqlite_url, tiny_model_
     assert rows[0]["decision"] == "refused" and rows[0]["ope_estimate"] < rows[0]["production_accept_rate"]
 
 
+def test_refused_candidates_make_the_next_step_shorter(tmp_path, sqlite_url, tiny_model_dir):  # noqa: F811
+    # Inverted rewards: every candidate is refused, so each new cycle backtracks further, to the floor.
+    w = make_world(tmp_path, sqlite_url, tiny_model_dir, UPDATE__REWARD_ACCEPT=-1.0, UPDATE__REWARD_REJECT=1.0,
+                   UPDATE__MIN_LR_SCALE=0.25, SCHEDULE__MIN_FEEDBACK=1)
+    scales = []
+    for k in range(3):
+        if k:
+            insert_logged(w.settings, w.production, tiny_model_dir, seed=k, start=datetime.now(UTC))
+        r = run_update_cycle(w.settings, log=_quiet)
+        assert r.status == "refused", r.reason
+        scales.append(r.metrics["train"]["lr_scale"])
+    assert scales == [1.0, 0.5, 0.25]
+
+
 def test_skip_rules_min_feedback_and_no_production(tmp_path, sqlite_url, tiny_model_dir):  # noqa: F811
     w = make_world(tmp_path, sqlite_url, tiny_model_dir, SCHEDULE__MIN_FEEDBACK=100000)
     r = run_update_cycle(w.settings, log=_quiet)
