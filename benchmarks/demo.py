@@ -30,7 +30,7 @@ def _curve(online: dict[str, Any], gate: float) -> dict[str, Any]:
     first, last = (served[0], served[-1]) if served else ({}, {})
     released = [v for v in online["versions"] if v["released"] and v["offline_pass_at_1"] is not None]
     return {
-        "releases": len(served) - 1 if served else 0,
+        "releases": sum(v["decision"] == "released" for v in online["versions"]),
         "first_accept": first.get("accept_rate"), "first_ci": first.get("ci"),
         "last_accept": last.get("accept_rate"), "last_ci": last.get("ci"),
         "relative_gain": online["relative_gain"], "ci_separated": online["ci_separated"],
