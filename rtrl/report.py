@@ -146,7 +146,11 @@ def _plots(data: ReportData, out: Path) -> list[tuple[str, str]]:
     ax.set_ylabel("accept rate")
     ax.set_title("Real-time RL: accept rate by version")
     ax.set_ylim(0, 1)
-    ax.legend(loc="upper left", fontsize=8)
+    if served:
+        ax.legend(loc="upper left", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no version has been judged by users yet", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "accept_rate.png")
