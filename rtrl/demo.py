@@ -85,7 +85,6 @@ class DemoPlan:
     release is trained and judged on about a thousand users' judgements (fewer leave a release's step
     mostly noise), a short run on 2 cores."""
 
-    env: str
     offline_preset: str | None
     releases: int
     online_budget_s: float
@@ -106,9 +105,9 @@ class DemoPlan:
         if fast:
             # The realistic users judge about 6 of 10 completions: 160 fresh judgements per cycle take
             # about the requests 256 took when every completion was judged, so CI is not slowed down.
-            return DemoPlan(env=env, offline_preset=preset, releases=2, online_budget_s=300, update_interval="10s",
+            return DemoPlan(offline_preset=preset, releases=2, online_budget_s=300, update_interval="10s",
                             min_feedback=160, traffic_chunk=64, final_requests=128)
-        return DemoPlan(env=env, offline_preset=preset, releases=3, online_budget_s=1500, update_interval="15s",
+        return DemoPlan(offline_preset=preset, releases=3, online_budget_s=1500, update_interval="15s",
                         min_feedback=1024, traffic_chunk=64, final_requests=1024)
 
 
