@@ -3,10 +3,13 @@ mid-trains first): a cell's numbers and the goals computed from them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from benchmarks.router_replay import _sample_torch, goals, measure_cell, reduction_ci
-from policy.loading import load_tokenizer
+from benchmarks.router_replay import _sample_torch, flipped_tokens, goals, measure_cell, reduction_ci
+from policy.loading import load_policy, load_tokenizer
+from policy.routes import Routes
 
 
 def test_a_cell_measures_both_router_modes_and_the_goals_read_them(tiny_moe_dir):
@@ -27,6 +30,26 @@ def test_a_cell_measures_both_router_modes_and_the_goals_read_them(tiny_moe_dir)
     g = goals([same, bf16])
     assert g["exact_replay_met"] and g["route_bytes_met"]
     assert g["max_abs_dlogp_replay_staleness0_fp32"] == same["max_abs_dlogp_replay"]
+    assert same["tokens_flipped"] == 0 and "kl_reduction_flipped" not in same
+
+
+def test_flipped_tokens_are_the_positions_whose_recorded_experts_differ(tiny_moe_dir):
+    policy = load_policy(tiny_moe_dir)
+    prompt = policy.tokenizer("def f(x): return ", add_special_tokens=False)["input_ids"]
+    samples = _sample_torch(tiny_moe_dir, "float32", "cpu", [prompt], samples=2, max_new=5, seed=3)
+    pad = policy.tokenizer.pad_token_id
+    assert not flipped_tokens(policy.model, samples, pad).any()
+    # Record another expert set in the last MoE layer at the position that predicts completion token 1.
+    ids = samples[1].routes.ids.copy()
+    experts = samples[1].routes.experts
+    at = len(prompt)
+    ids[at, -1] = [(int(e) + 1) % experts for e in ids[at, -1]]
+    if sorted(ids[at, -1]) == sorted(samples[1].routes.ids[at, -1]):  # the shift may land on the same set
+        ids[at, -1] = [(int(e) + 2) % experts for e in samples[1].routes.ids[at, -1]]
+    samples[1] = dataclasses.replace(samples[1], routes=Routes(ids, experts))
+    flipped = flipped_tokens(policy.model, samples, pad)
+    assert flipped.shape == (2, max(len(s.token_ids) for s in samples))
+    assert flipped.nonzero().tolist() == [[1, 1]]
 
 
 def test_reduction_interval_resamples_prompts_and_brackets_the_ratio():
