@@ -88,7 +88,9 @@ def insert_logged(settings: Settings, version: str, model_dir: Path, *, n: int =
                 "completion_id": f"{version[:8]}-{seed}-{i}", "version": version, "model": "tiny-coder",
                 "caller": f"caller-{i % callers}", "task_bucket": task.bucket,
                 "prompt_token_ids": s.prompt_token_ids, "completion_token_ids": s.token_ids,
-                "logprobs": s.logprobs, "sampling_logprobs": s.sampling_logprobs, "routes": None,
+                "logprobs": s.logprobs, "sampling_logprobs": s.sampling_logprobs,
+                # MoE models: the sampler's routes, in the wire form the gateway's completion events carry.
+                "routes": None if s.routes is None else s.routes.to_wire(),
                 "sampling": {"temperature": 1.0, "top_k": 4}, "signal": "accept" if accept_rule(s.token_ids) else "reject",
                 "kept_text": None, "score": None, "feedback_event_id": f"fb-{version[:8]}-{seed}-{i}",
                 "feedback_count": 1, "feedback_at": t, "completion_at": t - timedelta(seconds=1), "updated_at": t})

@@ -33,8 +33,28 @@ def _version_events(settings) -> list[dict]:
         return out
 
 
-def test_good_update_is_released_then_reruns_are_idempotent(tmp_path, sqlite_url, tiny_model_dir):  # noqa: F811
-    w = make_world(tmp_path, sqlite_url, tiny_model_dir)
+def _spy_on_update_passes(monkeypatch) -> list[tuple]:
+    """(routes, replay, grad) of every forward pass the updater makes, in order."""
+    import realtime_rl.update as update_mod
+
+    calls: list[tuple] = []
+    original = update_mod.sequence_logprobs
+
+    def spy(model, prompts, comps, **kw):
+        calls.append((kw.get("routes"), kw.get("replay"), kw.get("grad", False)))
+        return original(model, prompts, comps, **kw)
+
+    monkeypatch.setattr(update_mod, "sequence_logprobs", spy)
+    return calls
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_good_update_is_released_then_reruns_are_idempotent(model, request, tmp_path, sqlite_url,  # noqa: F811
+                                                            monkeypatch):
+    # The MoE world's logged examples carry the sampler's routes, as the gateway's events do.
+    w = make_world(tmp_path, sqlite_url, request.getfixturevalue("tiny_model_dir" if model == "dense"
+                                                                 else "tiny_moe_dir"))
+    passes = _spy_on_update_passes(monkeypatch) if model == "moe" else []
     store = RegistryStore(w.settings)
     r = run_update_cycle(w.settings, log=_quiet)
     assert r.status == "released", r.reason
@@ -45,6 +65,13 @@ def test_good_update_is_released_then_reruns_are_idempotent(tmp_path, sqlite_url
     assert gate["ope"]["estimate"] >= gate["production_accept_rate"]
     assert gate["ope"]["ci"][0] <= gate["ope"]["estimate"] <= gate["ope"]["ci"][1]
     assert r.metrics["train"]["steps"] > 0 and abs(r.metrics["train"]["mismatch_abs_logp"]) < 1e-3
+    if model == "moe":
+        # Every gradient pass forced the logged routes of every example; the serving weights' own routers
+        # choose them again (but for near-ties), so the replayed recompute above is the sampler's.
+        grads = [(routes, replay) for routes, replay, grad in passes if grad]
+        assert grads and all(routes is not None and all(x is not None for x in routes) and replay
+                             for routes, replay in grads)
+        assert r.metrics["train"]["router_replay"] == 1.0 and r.metrics["train"]["route_disagreement"] < 0.01
 
     events = _version_events(w.settings)
     assert [(e["action"], e["version"]) for e in events] == [("published", r.candidate_version),
