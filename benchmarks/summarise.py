@@ -8,13 +8,17 @@ budget? On the held-out long-horizon ``trace`` family, at one budget, four arms 
   off (no reward);
 * ``no_budget``: the model's whole context (the ceiling).
 
+The start model (unless ``--from``) is the tiny default model, mid-trained on the ``trace`` family's
+transcripts and then trained with GRPO on its training tasks *without* a budget (:func:`agent_start`):
+mid-training alone reads the notes and finds the function but rarely copies the rule's constants, so
+it solves almost no task even with its whole context, and nothing could be learnt about summaries.
+
 Each arm is held-out success (pass@1) at ``eval.temperature``; the summary figures (tokens per summary,
 the share of the replaced context they take, segments per episode, whether the rule the fix needs
 survived) are the trained arm's, the untrained arm's beside them in ``untrained_detail``.
 
 The budget is ``env.context_budget`` when set, else the smallest budget every held-out task allows
-plus :data:`BUDGET_SLACK` tokens. The start model is ``--from`` (e.g. a mid-trained model), else the
-tiny default model built and mid-trained here. ``--quick`` runs every step at toy sizes to check the
+plus :data:`BUDGET_SLACK` tokens. ``--quick`` runs every step at toy sizes to check the
 pipeline, not to measure. Artefacts stay in ``<var_dir>/bench/summarise`` (a temporary directory with
 ``--quick``).
 """
@@ -72,6 +76,18 @@ def pick_budget(settings, tokenizer, tasks) -> int:
     return min_budget(tokenizer, env, prompt, settings.grpo.max_new_tokens) + BUDGET_SLACK
 
 
+def agent_start(s, work: Path, quick: bool, log: Callable[[str], None]) -> Path:
+    """The start model: the tiny default model, mid-trained, then GRPO on the training tasks with no
+    context budget (the same steps as the budgeted run that follows)."""
+    base = build_default_model(work / "tiny", s.tiny)
+    mid = run_midtrain(s, init_dir=base, out_dir=work / "mid", progress=not quick, log=log)
+    free = s.model_copy(deep=True)
+    free.env.context_budget = 0
+    free.grpo.out_dir = str(work / "agent")
+    return run_grpo(free, mid, progress=not quick, log=log, resume=False, evaluate_before=False,
+                    evaluate_after=False).final_dir
+
+
 def _arm(s, path, tasks, sandbox, *, budget: int, summarise: bool) -> EvalResult:
     """Held-out success of the model at ``path``: with the budget and summaries, with the budget as a hard
     limit (``summarise`` False, ``budget`` > 0), or with no budget (``budget`` 0)."""
@@ -88,17 +104,13 @@ def _ratio(a: float, b: float) -> float | None:
 
 def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         from_dir: str | None = None) -> dict[str, Any]:
-    """The four arms; ``from_dir``: the start model (else the tiny default model, mid-trained here)."""
+    """The four arms; ``from_dir``: the start model (else :func:`agent_start` builds one)."""
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-summarise-") as tmp:
         work = Path(tmp) if quick else Path(settings.var_dir) / "bench" / "summarise"
         work.mkdir(parents=True, exist_ok=True)
         s = _configure(settings, quick, work)
-        if from_dir:
-            start = Path(from_dir)
-        else:
-            base = build_default_model(work / "tiny", s.tiny)
-            start = run_midtrain(s, init_dir=base, out_dir=work / "mid", progress=not quick, log=log)
+        start = Path(from_dir) if from_dir else agent_start(s, work, quick, log)
         split = load_split(s.tasks, s.env)
         tokenizer = load_policy(start, "float32", s.model.device).tokenizer
         budget = pick_budget(s, tokenizer, [*split.train, *split.heldout])

@@ -203,6 +203,26 @@ def test_bench_summarise_quick(tiny_model_dir, capsys):
     assert out["truncation_detail"]["truncated_share"] > 0  # and without summaries they were cut off
 
 
+def test_bench_summarise_start_model_is_trained_without_the_budget(tmp_path, monkeypatch):
+    import benchmarks.summarise as bench
+
+    runs = []
+
+    def spy(settings, init_dir, **kw):
+        runs.append((settings.env.context_budget, settings.grpo.out_dir, settings.tasks.repo_families))
+        return real(settings, init_dir, **kw)
+
+    real = bench.run_grpo
+    monkeypatch.setattr(bench, "run_grpo", spy)
+    s = bench._configure(load_settings(), True, tmp_path)
+    s.env.context_budget = 300
+    msgs: list[str] = []
+    start = bench.agent_start(s, tmp_path, True, msgs.append)
+    assert (start / "config.json").is_file() and any(m.startswith("midtrain:") for m in msgs), msgs
+    assert runs == [(0, str(tmp_path / "agent"), ["trace"])]
+    assert s.env.context_budget == 300 and s.grpo.out_dir == str(tmp_path / "grpo")  # the budgeted run's own
+
+
 def test_moe_routes_per_segment_are_replayed(tiny_moe_dir, tmp_path):
     """Each context keeps the routes its sampler chose; the trainer replays them row by row."""
     from offline_rl.rollout import TorchBackend
