@@ -120,3 +120,19 @@ def make_world(tmp: Path, db_url: str, model_dir: Path, **overrides) -> World:
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'feedback.db'}"
+
+
+def spy_on_update_passes(monkeypatch) -> list[tuple]:
+    """(routes, replay, grad) of every forward pass the updater makes, in order. The spy replaces the
+    updater's own reference to ``sequence_logprobs``, so it sees each of its passes."""
+    import realtime_rl.update as update_mod
+
+    calls: list[tuple] = []
+    original = update_mod.sequence_logprobs
+
+    def spy(model, prompts, comps, **kw):
+        calls.append((kw.get("routes"), kw.get("replay"), kw.get("grad", False)))
+        return original(model, prompts, comps, **kw)
+
+    monkeypatch.setattr(update_mod, "sequence_logprobs", spy)
+    return calls

@@ -11,7 +11,6 @@ import torch
 from ingest_fixtures import feedback, rows, send
 from serving_fixtures import PROMPT, gateway_settings, read_events
 
-import policy.logprobs as lp
 from policy.loading import load_policy
 from policy.logprobs import sequence_logprobs
 from policy.routes import Routes
@@ -20,6 +19,7 @@ from realtime_rl.config import UpdateSettings
 from realtime_rl.database import make_engine
 from realtime_rl.dataset import build_dataset, load_logged
 from realtime_rl.ingest import Ingester
+from tests.rtrl_update_fixtures import spy_on_update_passes
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +114,7 @@ def test_online_update_replays_the_logged_routes(logged, tiny_moe_dir, monkeypat
                          target_kl=None)
     data = build_dataset(examples, cfg, production=events[0].version)
     assert len(data.train) == 12 and all(t.example.routes is not None for t in data.train)
-    calls = []
-    original = lp.sequence_logprobs
-
-    def spy(model, prompts, comps, **kw):
-        calls.append((kw.get("routes"), kw.get("replay"), kw.get("grad", False)))
-        return original(model, prompts, comps, **kw)
-
-    # The spy replaces the updater's own reference, so it sees each of its forward passes.
-    monkeypatch.setattr(update_mod, "sequence_logprobs", spy)
+    calls = spy_on_update_passes(monkeypatch)
 
     def run(which: str, subset):
         policy = load_policy(tiny_moe_dir)

@@ -14,7 +14,7 @@ from realtime_rl.cycle import run_update_cycle
 from realtime_rl.database import make_engine
 from realtime_rl.release import RegistryStore, list_releases, list_runs
 from realtime_rl.release_tables import baselines
-from tests.rtrl_update_fixtures import insert_logged, make_world, sqlite_url  # noqa: F401
+from tests.rtrl_update_fixtures import insert_logged, make_world, spy_on_update_passes, sqlite_url  # noqa: F401
 
 
 def _quiet(_msg: str) -> None:
@@ -33,28 +33,13 @@ def _version_events(settings) -> list[dict]:
         return out
 
 
-def _spy_on_update_passes(monkeypatch) -> list[tuple]:
-    """(routes, replay, grad) of every forward pass the updater makes, in order."""
-    import realtime_rl.update as update_mod
-
-    calls: list[tuple] = []
-    original = update_mod.sequence_logprobs
-
-    def spy(model, prompts, comps, **kw):
-        calls.append((kw.get("routes"), kw.get("replay"), kw.get("grad", False)))
-        return original(model, prompts, comps, **kw)
-
-    monkeypatch.setattr(update_mod, "sequence_logprobs", spy)
-    return calls
-
-
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_good_update_is_released_then_reruns_are_idempotent(model, request, tmp_path, sqlite_url,  # noqa: F811
                                                             monkeypatch):
     # The MoE world's logged examples carry the sampler's routes, as the gateway's events do.
     w = make_world(tmp_path, sqlite_url, request.getfixturevalue("tiny_model_dir" if model == "dense"
                                                                  else "tiny_moe_dir"))
-    passes = _spy_on_update_passes(monkeypatch) if model == "moe" else []
+    passes = spy_on_update_passes(monkeypatch) if model == "moe" else []
     store = RegistryStore(w.settings)
     r = run_update_cycle(w.settings, log=_quiet)
     assert r.status == "released", r.reason
