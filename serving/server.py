@@ -92,7 +92,7 @@ def start_server(server, loop: asyncio.AbstractEventLoop | None = None) -> Futur
     """Run ``server`` (a ``uvicorn.Server``) in the background; the future resolves when it has stopped.
 
     The gateway passes the engine's event loop when it has one
-    (:class:`serving.engines.torch_process.ProcessTorchEngine`): the server then runs on that loop, so
+    (:class:`serving.engines.process.ProcessEngine`): the server then runs on that loop, so
     request handlers hand batches to the engine process and receive their results on one thread, with
     no hand-off between threads (the engine's docstring says why that matters). Without a loop (other
     engines run their own batcher thread) the server gets a thread and a loop of its own, as

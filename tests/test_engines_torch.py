@@ -105,7 +105,7 @@ def test_engine_process_errors_and_swaps(tmp_path, tiny_model_dir):
     from policy.sampling import ContextTooLong
     from serving.engines import create_engine
     from serving.engines.base import _Job
-    from serving.engines.torch_engine import TorchHandle
+    from serving.engines.process import SlotHandle
     from serving.versions import VersionRef
 
     dirs = make_versions(tiny_model_dir, tmp_path / "versions", 2)
@@ -124,11 +124,43 @@ def test_engine_process_errors_and_swaps(tmp_path, tiny_model_dir):
         # Slot 1 held v0: it was freed in the child after the swap. Sent from a control action, which runs
         # on the engine's loop between batches, as every batch is sent.
         stale: Future = Future()
-        eng._control(lambda: eng._send(TorchHandle("v0", 1), [_Job([ids], [SamplingParams(max_new_tokens=2)],
+        eng._control(lambda: eng._send(SlotHandle("v0", 1), [_Job([ids], [SamplingParams(max_new_tokens=2)],
                                                                     "production", stale)]))
         with pytest.raises(KeyError):
             stale.result(30)
         # A dead child: tests/test_engine_restart.py.
+    finally:
+        eng.close()
+
+
+def test_a_swap_that_fails_in_the_engine_process_replaces_the_process(tmp_path, tiny_model_dir):
+    """A swap the child performs (vLLM reloads weights in place there) and that fails there: the caller of
+    ``load`` gets the child's error, and a new engine process serves the version the channel was switched
+    to (the old one may hold a mix of both versions' weights)."""
+    import time
+
+    from serving.engines.process import ChildStep
+    from serving.engines.torch_process import ProcessTorchEngine
+    from serving.versions import VersionRef
+
+    class SwapInChild(ProcessTorchEngine):
+        def _finish_swap(self, handle, pause):
+            return ChildStep(("swap", handle.slot))  # the torch worker has no in-child swap: it fails there
+
+    dirs = make_versions(tiny_model_dir, tmp_path / "versions", 2)
+    eng = SwapInChild(gateway_settings(tmp_path, dirs[0], batch_window_ms=0))
+    try:
+        eng.load(VersionRef("v0", dirs[0]))
+        old_pid = eng._proc.pid
+        with pytest.raises(AttributeError, match="swap"):
+            eng.load(VersionRef("v1", dirs[1]))
+        deadline = time.monotonic() + 60
+        while not (eng.ready and eng.restarts == 1):
+            assert time.monotonic() < deadline, "the engine process was not replaced"
+            time.sleep(0.05)
+        ids = eng.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+        gen = eng.generate_now([ids], [SamplingParams(max_new_tokens=2)], timeout=60)[0]
+        assert gen.version == "v1" and eng._proc.pid != old_pid
     finally:
         eng.close()
 

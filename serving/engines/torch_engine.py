@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from policy.loading import load_model, load_tokenizer
+from policy.loading import load_model
 from policy.sampling import Sample, SamplingParams
 from serving.engines.base import Engine
 from serving.engines.torch_worker import generate_batch
@@ -37,19 +37,7 @@ class TorchEngine(Engine):
 
     def __init__(self, settings, metrics=None) -> None:
         torch.set_num_threads(settings.model.threads)
-        self._vocab_size: int | None = None
         super().__init__(settings, metrics)
-
-    def _adopt(self, ref: VersionRef, vocab_size: int, context_len: int | None) -> None:
-        """The first version brings the tokenizer the gateway encodes with; later ones must share its vocabulary."""
-
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(ref.model_dir)
-            self.context_len = context_len
-        elif vocab_size != self._vocab_size:
-            raise ValueError(f"version {ref.version} has vocabulary {vocab_size}, the served "
-                             f"tokenizer {self._vocab_size}: a tokenizer change needs a restart")
-        self._vocab_size = vocab_size
 
     # -- hooks -----------------------------------------------------------------------------------------
     def _prepare(self, ref: VersionRef, channel: str) -> Any:

