@@ -26,6 +26,13 @@ Content-Length body); ``httpx`` is measured beside it, because a general-purpose
    gateway slows generation down, e.g. by holding the GIL, that is overhead). ``generate_diff_*``
    (``G_gw - G_direct``) and the uncorrected ``L_gw - L_direct`` (``overhead_uncorrected_*``) are
    reported too.
+   **vLLM's own server** (``serving.engine = "vllm"``): ``vllm serve`` runs beside phase 1 on the same
+   model directory and engine settings (dtype, KV cache, sequences, log-prob mode, and the engine's
+   thread count as ``OMP_NUM_THREADS``), and the same request to it is a fourth call in each pair's
+   rotation, so both servers are measured under the same host conditions: its overhead
+   ``L_server - L_direct`` beside the gateway's uncorrected one (``overhead_ratio_vs_vllm_server``), and
+   the two servers' end-to-end latencies (``latency_ratio_vs_vllm_server``). It is stopped before
+   phase 2.
    ``server_overhead_*`` is the gateway's own time outside the engine as measured inside the
    handler (auth, parsing, tokenising, token signing, serialising), from ``x-rtrl-overhead-ms``.
    **The HTTP floor** (``http_floor_*``): the same client against a do-nothing ASGI app on the same
@@ -42,11 +49,6 @@ Content-Length body); ``httpx`` is measured beside it, because a general-purpose
    repointed 5 times to differently perturbed weights; the watcher picks each up and swaps between
    batches. Reported: each swap's serving pause (time the engine worker spent installing the new
    weights, during which nothing is generated) and every request that did not return 200.
-4. **vLLM's own server** (``serving.engine = "vllm"``): ``vllm serve`` on the same model directory and
-   engine settings (dtype, KV cache, sequences, log-prob mode, and the engine's thread count as
-   ``OMP_NUM_THREADS``), paired with direct calls on the gateway's engine as in phase 1: its overhead
-   ``L_server - L_direct`` beside the gateway's uncorrected one (``overhead_ratio_vs_vllm_server``), and
-   the two servers' end-to-end latencies (``latency_ratio_vs_vllm_server``).
 """
 
 from __future__ import annotations
@@ -188,13 +190,14 @@ def _client_main(url: str, key: str, conn) -> None:
     """The load-generating process: answers commands from the benchmark over a pipe."""
     raw = RawHTTP(url, key)
     floor: RawHTTP | None = None
+    peer: RawHTTP | None = None
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
         while True:
             cmd = conn.recv()
             if cmd[0] == "exit":
-                raw.close()
-                if floor is not None:
-                    floor.close()
+                for c in (raw, floor, peer):
+                    if c is not None:
+                        c.close()
                 return
             if cmd[0] == "floor-close":  # the floor phase's server is going away
                 if floor is not None:
@@ -202,10 +205,16 @@ def _client_main(url: str, key: str, conn) -> None:
                     floor = None
                 conn.send("closed")
                 continue
+            if cmd[0] == "peer-close":  # vLLM's server is going away
+                if peer is not None:
+                    peer.close()
+                    peer = None
+                conn.send("closed")
+                continue
             if cmd[0] == "peer":  # ("peer", url, body): a completion from vLLM's own server
-                floor = floor or RawHTTP(cmd[1], key)
+                peer = peer or RawHTTP(cmd[1], key)
                 t0 = time.perf_counter()
-                status, _, _ = floor.post("/v1/completions", cmd[2])
+                status, _, _ = peer.post("/v1/completions", cmd[2])
                 conn.send((status, (time.perf_counter() - t0) * 1000))
                 continue
             if cmd[0] == "floor":  # ("floor", url, body): the do-nothing server of a floor phase
@@ -375,6 +384,7 @@ class _Rig:
     conn: Any
     ids: list[int]
     max_tokens: int
+    peer_url: str | None = None  # vLLM's own server on the same model and engine settings, when running
 
     @property
     def gw(self):
@@ -413,9 +423,16 @@ class _Rig:
 
     def one(self, kind: str, seed: int) -> tuple[float, float, float]:
         """(latency ms, engine generate ms, in-handler overhead ms) of one call of ``kind``: ``direct``,
-        or through the gateway with the ``raw`` or the ``httpx`` client."""
+        through the gateway with the ``raw`` or the ``httpx`` client, or to vLLM's server (``peer``, the raw
+        client; it reports neither time)."""
         if kind == "direct":
             return (*self.direct_timed(seed), float("nan"))
+        if kind == "peer":
+            self.conn.send(("peer", self.peer_url, self.body(seed)))
+            status, ms = self.conn.recv()
+            if status != 200:
+                raise RuntimeError(f"vllm serve answered {status}")
+            return ms, float("nan"), float("nan")
         self.conn.send((kind, self.body(seed)))
         status, ms, gen, server_ms = self.conn.recv()
         if status != 200:
@@ -435,9 +452,9 @@ class _Rig:
 
 
 def _paired(rig: _Rig, n_paired: int, log) -> dict[str, Any]:
-    """Phase 1: paired overhead (direct, raw client, httpx client, in an order that rotates with i), then
-    the HTTP floors."""
-    kinds = ("direct", "raw", "httpx")
+    """Phase 1: paired overhead (direct, raw client, httpx client and, when it runs, vLLM's server, in an
+    order that rotates with i), then the HTTP floors."""
+    kinds = ("direct", "raw", "httpx") + (("peer",) if rig.peer_url else ())
     for i in range(5):  # warm up every path
         for k in kinds:
             rig.one(k, i)
@@ -446,10 +463,11 @@ def _paired(rig: _Rig, n_paired: int, log) -> dict[str, Any]:
     uncorrected: dict[str, list[float]] = {"raw": [], "httpx": []}
     gen_diffs: dict[str, list[float]] = {"raw": [], "httpx": []}
     server_side: list[float] = []
+    peer_over: list[float] = []  # L_server - L_direct, vLLM's server over the same engine
     for i in tqdm(range(n_paired), desc="paired overhead", disable=None):
         seed = 10_000 + i
         got = {}
-        for k in kinds[i % 3:] + kinds[:i % 3]:
+        for k in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
             rig.settle(seed + 500_000)
             got[k] = rig.one(k, seed)
             paired[k].append(got[k][0])
@@ -459,6 +477,8 @@ def _paired(rig: _Rig, n_paired: int, log) -> dict[str, Any]:
             over[k].append((ms - gen) - (d_ms - d_gen))
             uncorrected[k].append(ms - d_ms)
             gen_diffs[k].append(gen - d_gen)
+        if rig.peer_url:
+            peer_over.append(got["peer"][0] - d_ms)
         server_side.append(got["raw"][2])
     # A systematic compute-time difference (the gateway slowing generation down, e.g. by holding the
     # GIL) is gateway overhead: add the median back; only the scatter goes.
@@ -479,8 +499,12 @@ def _paired(rig: _Rig, n_paired: int, log) -> dict[str, Any]:
         f"{_pct(over['httpx'], .5):.3f}, p99 {_pct(over['httpx'], .99):.3f}; uncorrected p50 "
         f"{_pct(uncorrected['raw'], .5):.3f}, p99 {_pct(uncorrected['raw'], .99):.3f}; in-handler p50 "
         f"{_pct(server_side, .5):.3f}); direct p50 {_pct(paired['direct'], .5):.1f} ms")
+    if peer_over:
+        log(f"vllm serve: overhead p50 {_pct(peer_over, .5):.3f} ms, p99 {_pct(peer_over, .99):.3f} ms over the "
+            f"same engine called directly; latency p50 {_pct(paired['peer'], .5):.1f} ms")
     return {"paired": paired, "over": over, "uncorrected": uncorrected, "gen_diff": gen_diffs["raw"],
-            "server_side": server_side, "floor": floor, "floor_bare": floor_bare, "floor_warm": floor_warm}
+            "server_side": server_side, "floor": floor, "floor_bare": floor_bare, "floor_warm": floor_warm,
+            "peer_over": peer_over}
 
 
 def _throughput(rig: _Rig, duration_s: float, concurrency: int, log) -> dict[str, dict[str, float]]:
@@ -593,38 +617,6 @@ def _vllm_server(s, model_dir: Path, work: Path, timeout_s: float = 600.0):
             proc.wait(30)
 
 
-def _vllm_peer(rig: _Rig, model_dir: Path, work: Path, n_paired: int, log) -> dict[str, Any]:
-    """The peer: vLLM's own server over the same model and engine settings, paired with direct calls on
-    the gateway's vLLM engine as in phase 1. vLLM's responses carry no generate time, so the overhead
-    per pair is the uncorrected ``L_server - L_direct`` (compare with ``overhead_uncorrected_*``)."""
-    with _vllm_server(rig.s, model_dir, work) as url:
-        def peer(seed: int) -> float:
-            rig.conn.send(("peer", url, rig.body(seed)))
-            status, ms = rig.conn.recv()
-            if status != 200:
-                raise RuntimeError(f"vllm serve answered {status}")
-            return ms
-
-        try:
-            for i in range(5):  # warm up (vLLM's first requests compile)
-                peer(i)
-            over, lat = [], []
-            for i in tqdm(range(n_paired), desc="vllm serve, paired", disable=None):
-                seed = 10_000 + i
-                got = {}
-                for kind in (("peer", "direct") if i % 2 else ("direct", "peer")):
-                    rig.settle(seed + 500_000)
-                    got[kind] = peer(seed) if kind == "peer" else rig.direct_timed(seed)[0]
-                over.append(got["peer"] - got["direct"])
-                lat.append(got["peer"])
-        finally:
-            rig.conn.send(("floor-close",))
-            rig.conn.recv()
-    log(f"vllm serve: overhead p50 {_pct(over, .5):.3f} ms, p99 {_pct(over, .99):.3f} ms over the same engine "
-        f"called directly; latency p50 {_pct(lat, .5):.1f} ms")
-    return {"over": over, "latency": lat}
-
-
 def _bench_settings(settings, work: Path, link: Path):
     """Settings for the gateway under test: the served directory is ``link``; keys, bus and spill in ``work``;
     no canary, no rate limit."""
@@ -664,16 +656,23 @@ def run(settings, quick: bool, log) -> dict:
             client.start()
             rig = _Rig(s, server, parent_conn, ids, max_tokens=8)
             try:
-                paired = _paired(rig, n_paired, log)
+                with contextlib.ExitStack() as peer:
+                    if s.serving.engine == "vllm":  # the peer runs beside phase 1, in the same rotation
+                        log("starting vLLM's own server on the same model and engine settings")
+                        rig.peer_url = peer.enter_context(_vllm_server(s, link.resolve(), work))
+                    paired = _paired(rig, n_paired, log)
+                    if rig.peer_url:
+                        parent_conn.send(("peer-close",))
+                        parent_conn.recv()
+                rig.peer_url = None
                 load = _throughput(rig, duration_s, concurrency, log)
                 swaps = _swaps(rig, link, versions, concurrency, log)
-                peer = _vllm_peer(rig, link.resolve(), work, n_paired, log) if s.serving.engine == "vllm" else None
             finally:
                 parent_conn.send(("exit",))
                 client.join(30)
         finally:
             server.stop()
-        return {**_result(s, base, rig, n_paired, concurrency, paired, load, swaps), **_peer_result(paired, peer)}
+        return {**_result(s, base, rig, n_paired, concurrency, paired, load, swaps), **_peer_result(paired)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -754,28 +753,28 @@ def _ratio(ours: float, theirs: float) -> float | None:
     return round(ours / theirs, 3) if theirs > 0 else None
 
 
-def _peer_result(paired: dict, peer: dict | None) -> dict:
+def _peer_result(paired: dict) -> dict:
     """The ``vllm serve`` peer's figures, and rtrl's gateway over them (the same uncorrected overhead on both
     sides); nothing when the gateway under test is not on the vLLM engine."""
-    if peer is None:
+    if not paired["peer_over"]:
         return {}
     ours, gw = paired["uncorrected"]["raw"], paired["paired"]["raw"]
-    theirs = peer["over"]
+    theirs, latency = paired["peer_over"], paired["paired"]["peer"]
     return {
         "vllm_server_overhead_p50_ms": _ms(theirs, .5),
         "vllm_server_overhead_p99_ms": _ms(theirs, .99),
-        "vllm_server_latency_p50_ms": _ms(peer["latency"], .5, 2),
-        "vllm_server_latency_p99_ms": _ms(peer["latency"], .99, 2),
+        "vllm_server_latency_p50_ms": _ms(latency, .5, 2),
+        "vllm_server_latency_p99_ms": _ms(latency, .99, 2),
         "vllm_server_method": "vLLM's OpenAI server (vllm.entrypoints.openai.api_server) in a subprocess on the "
                               "same model directory and engine settings, the same raw client and request body "
-                              "(no log-probs asked), paired with direct calls on the gateway's vLLM engine; "
-                              "per pair L_server - L_direct",
+                              "(no log-probs asked), a fourth call in each pair of the overhead phase, beside "
+                              "the direct and gateway calls; per pair L_server - L_direct",
         "overhead_ratio_vs_vllm_server": {"p50": _ratio(_pct(ours, .5), _pct(theirs, .5)),
                                           "p99": _ratio(_pct(ours, .99), _pct(theirs, .99)),
                                           "rtrl": "overhead_uncorrected_*", "vllm": "vllm_server_overhead_*"},
         # End to end, the same client and body: nothing here depends on what each server's engine called
         # directly costs (rtrl's engine process includes its pipe; vLLM's server includes its own IPC).
-        "latency_ratio_vs_vllm_server": {"p50": _ratio(_pct(gw, .5), _pct(peer["latency"], .5)),
-                                         "p99": _ratio(_pct(gw, .99), _pct(peer["latency"], .99)),
+        "latency_ratio_vs_vllm_server": {"p50": _ratio(_pct(gw, .5), _pct(latency, .5)),
+                                         "p99": _ratio(_pct(gw, .99), _pct(latency, .99)),
                                          "rtrl": "gateway_latency_*", "vllm": "vllm_server_latency_*"},
     }

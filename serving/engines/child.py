@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
+from multiprocessing import util
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
@@ -147,6 +148,9 @@ def run(loop: ChildLoop, backend: Backend) -> None:
     # Leave without the interpreter's teardown: a native thread pool still holding a joinable
     # std::thread when static destructors run aborts the process ("terminate called without an
     # active exception", exit status -6). Nothing here needs flushing but the standard streams.
+    # multiprocessing's exit-time finalizers still run: they unlink the named semaphores a library made
+    # (vLLM does), which the parent's resource tracker would otherwise report as leaked when it exits.
+    util._run_finalizers(0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
