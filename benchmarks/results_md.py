@@ -32,7 +32,7 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
              ("TRL s/step", "trl_sec_per_step"), ("x TRL", "ratio_vs_trl"), ("async / sync", "async_over_sync"),
              ("multi-turn sync s/step", "multi_turn.ours_sync_sec_per_step"),
              ("multi-turn async s/step", "multi_turn.ours_async_sec_per_step")],
-    "gateway": [("engine", "engine"), ("overhead p50 ms", "overhead_p50_ms"), ("overhead p99 ms", "overhead_p99_ms"),
+    "gateway": [("engine", "engine"), ("engine process", "engine_process"), ("overhead p50 ms", "overhead_p50_ms"), ("overhead p99 ms", "overhead_p99_ms"),
                 ("vs vllm serve", "overhead_ratio_vs_vllm_server"),
                 ("latency vs vllm serve", "latency_ratio_vs_vllm_server"), ("swap pause max ms", "swap_pause_ms_max"),
                 ("failed during swaps", "failed_requests_during_swaps"), ("rps", "rps")],
