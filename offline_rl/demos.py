@@ -37,6 +37,7 @@ from offline_rl.repo_tasks import (
     module_of,
 )
 from offline_rl.tasks import FunctionSpec, split_specs
+from policy.summary import SUMMARY_REQUEST
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,18 @@ class DemoHabits:
     read_notes: float = 0.8
     """``trace`` tasks: read the notes module the issue names first (its rule is what informs the
     fix; the one visible test does not)."""
+    summarise: float = 0.5
+    """``trace`` tasks: once the broken function is found, the context is full (as a context budget
+    would have it): answer the summary request and go on from a fresh context, a document of its own."""
+    summary_keeps_rule: float = 0.4
+    """A summary states the notes' rule (otherwise only where the function is, and the fix after it is
+    a guess). Imperfect on purpose: which summaries let an episode finish is for the reward to teach."""
     max_edits: int = 4
 
 
 Segment = tuple[str, bool]
 """(text, written by the agent): environment text and agent lines are tokenized separately, as
-the rollout loop sees them."""
+the rollout loop sees them. A transcript is a list of segments: one context of an episode."""
 
 
 @dataclass(frozen=True)
@@ -139,12 +146,24 @@ class Demonstrator:
                 self._do(st, segs, f"cat {p}")
                 seen.add(p)
 
-    def episode(self, task: RepoTask) -> list[Segment]:
+    def _summarise(self, st: RepoState, segs: list[Segment], task: RepoTask, edit: _Edit, keep: bool) -> list[Segment]:
+        """Close the context with a summary turn (``keep``: the summary states the rule) and return the
+        fresh one, as :meth:`RepoEnv.restart` opens it for the policy."""
+        notes = task.issue.rsplit(" ", 1)[-1]
+        where = f"{edit.find} is in {edit.path} line {self._line_of(st, edit.path, edit.find)}"
+        summary = (f"rule in {notes}: {edit.find}(x) = {task.metadata['reference']}; {where}" if keep
+                   else f"{where} and returns wrong values")
+        segs += [(SUMMARY_REQUEST, False), (summary + "\n", True)]
+        return [(self.env.restart(st, summary), False)]
+
+    def episode(self, task: RepoTask) -> list[list[Segment]]:
+        """The episode's transcripts, one per context, oldest first (more than one after a summary)."""
         h, rng = self.h, self.rng
         st = self.env.reset(task)
         segs: list[Segment] = [(header(task), False)]
+        contexts = [segs]
         todo = _edits(task, self._wrong)
-        informed, seen, edits = False, set(), 0
+        informed, seen, edits, summarised = False, set(), 0, False
         # A trace task's rule is in its notes module: reading it is what informs the fix (the single
         # visible test does not pin the function down), so running the tests informs nothing there.
         notes = task.issue.rsplit(" ", 1)[-1] if task.family == "trace" else None
@@ -163,6 +182,11 @@ class Demonstrator:
             self._locate(st, segs, edit, seen)
             if st.done:
                 break
+            if notes is not None and not summarised and rng.random() < h.summarise:
+                summarised = True
+                informed = informed and rng.random() < h.summary_keeps_rule
+                segs = self._summarise(st, segs, task, edit, informed)
+                contexts.append(segs)
             if edit.needs_tests and not informed and tests_inform and rng.random() >= h.blind_edit:
                 self._do(st, segs, "test")
                 informed = True
@@ -184,13 +208,14 @@ class Demonstrator:
                 todo = _edits(task, self._wrong)
         if not st.done:
             self._do(st, segs, "submit")
-        return segs
+        return contexts
 
 
 def transcripts(n: int, seed: int = 0, heldout_fraction: float = 0.2, habits: DemoHabits | None = None,
                 split_seed: int | None = None, families: Sequence[str] = FAMILIES) -> Iterator[list[Segment]]:
-    """``n`` transcripts over freshly drawn *training* tasks of ``families`` in turn: held-out functions
-    of the split with ``split_seed`` (default: ``seed``) never appear."""
+    """The transcripts of ``n`` episodes (one per context) over freshly drawn *training* tasks of
+    ``families`` in turn: held-out functions of the split with ``split_seed`` (default: ``seed``) never
+    appear."""
     habits = habits or DemoHabits()
     train_specs, _ = split_specs(seed if split_seed is None else split_seed, heldout_fraction)
     rng = random.Random(seed + 50_021)
@@ -199,7 +224,7 @@ def transcripts(n: int, seed: int = 0, heldout_fraction: float = 0.2, habits: De
         family = families[i % len(families)]
         spec = train_specs[rng.randrange(len(train_specs))]
         task = make_repo_task(family, spec, train_specs, rng, f"demo-{i}", "train")
-        yield demo.episode(task)
+        yield from demo.episode(task)
 
 
 def task_transcripts(tasks: Sequence[RepoTask], habits: DemoHabits | None = None, seed: int = 0,
@@ -221,7 +246,7 @@ def task_transcripts(tasks: Sequence[RepoTask], habits: DemoHabits | None = None
     train_specs, _ = split_specs(split_seed, heldout_fraction)
     demo = Demonstrator(habits or DemoHabits(), train_specs, random.Random(seed + 50_021))
     for task in itertools.cycle(tasks):
-        yield demo.episode(task)
+        yield from demo.episode(task)
 
 
 def transcript_text(segs: list[Segment]) -> str:

@@ -136,7 +136,7 @@ def test_demonstrations_replay_identically_in_the_sandbox(pool):
     demo = Demonstrator(DemoHabits(verify=0.9, retry=0.9), train_specs, random.Random(3))
     sandboxed = RepoEnv(SandboxTests(pool), max_turns=16)
     for task in tasks:
-        segs = demo.episode(task)
+        (segs,) = demo.episode(task)  # one context: no summary turn outside trace tasks
         st = sandboxed.reset(task)
         for text, is_action in segs[1:]:
             if is_action:
@@ -152,16 +152,51 @@ def test_trace_demonstrations_read_the_rule_and_fix_with_it():
     train_specs, _ = split_specs(0, 0.2)
     tasks = [make_repo_task("trace", spec, train_specs, random.Random(i), f"t{i}", "train")
              for i, spec in enumerate(train_specs[:8])]
-    informed = Demonstrator(DemoHabits(read_notes=1.0, correct=1.0), train_specs, random.Random(1))
-    blind = Demonstrator(DemoHabits(read_notes=0.0, correct=1.0, test_first=1.0), train_specs, random.Random(1))
+    informed = Demonstrator(DemoHabits(read_notes=1.0, correct=1.0, summarise=0.0), train_specs, random.Random(1))
+    blind = Demonstrator(DemoHabits(read_notes=0.0, correct=1.0, test_first=1.0, summarise=0.0), train_specs,
+                         random.Random(1))
     for task in tasks:
         notes = task.issue.rsplit(" ", 1)[-1]
         rule = task.metadata["reference"]
-        text = transcript_text(informed.episode(task))
+        (segs,) = informed.episode(task)
+        text = transcript_text(segs)
         assert text.splitlines()[2] == f"$ cat {notes}", text
         assert f"return {rule}" in text.split("$ edit", 1)[1].splitlines()[0], text
-        unread = transcript_text(blind.episode(task))
+        (segs,) = blind.episode(task)
+        unread = transcript_text(segs)
         assert f"return {rule}" not in unread.split("$ edit", 1)[1].splitlines()[0], unread
+
+
+def test_trace_demonstrations_summarise_and_go_on_from_the_context_the_environment_opens():
+    """With ``summarise``, a trace episode is two transcripts: the first ends with the summary request and
+    the demonstrator's summary (policy text), the second is the fresh context :meth:`RepoEnv.restart`
+    builds from that summary. A summary that kept the rule carries the right fix; one that did not
+    leaves the fix a guess, so the corpus shows both outcomes for the reward to tell apart."""
+    import random
+
+    from policy.summary import SUMMARY_PREFIX, SUMMARY_REQUEST
+
+    train_specs, _ = split_specs(0, 0.2)
+    tasks = [make_repo_task("trace", spec, train_specs, random.Random(i), f"t{i}", "train")
+             for i, spec in enumerate(train_specs[:6])]
+    for keep in (1.0, 0.0):
+        demo = Demonstrator(DemoHabits(read_notes=1.0, correct=1.0, summarise=1.0, summary_keeps_rule=keep),
+                            train_specs, random.Random(2))
+        for task in tasks:
+            rule = f"{task.tests[0].function}(x) = {task.metadata['reference']}"
+            first, second = demo.episode(task)
+            assert first[-2] == (SUMMARY_REQUEST, False) and first[-1][1], first[-2:]
+            summary = first[-1][0].rstrip("\n")
+            assert (rule in summary) == bool(keep), summary
+            env = RepoEnv(TrustedTests())
+            st = env.reset(task)
+            for text, is_action in first[1:-2]:
+                if is_action:
+                    env.step(st, text.rstrip("\n"))
+            assert second[0] == (env.restart(st, summary), False)
+            assert second[0][0].splitlines()[2] == SUMMARY_PREFIX + summary
+            fix = transcript_text(second).split("$ edit", 1)[1].splitlines()[0]
+            assert (f"return {task.metadata['reference']}" in fix) == bool(keep), fix
 
 
 def test_trusted_runner_is_never_the_environment_default(pool):
