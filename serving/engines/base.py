@@ -294,7 +294,9 @@ class Engine(ABC):
                 continue
             self._run_batch(item)
 
-    def _run_batch(self, batch: list[_Job]) -> None:
+    def _by_handle(self, batch: list[_Job]) -> list[tuple[Any, list[_Job]]]:
+        """The batch's jobs grouped by the handle (version) their channel is served by, resolved now: each
+        group is one generate call. A job with no version to serve it is answered with EngineClosed."""
         groups: dict[int, tuple[Any, list[_Job]]] = {}
         for job in batch:
             handle = self._handles.get(job.channel) or self._handles.get(PRODUCTION)
@@ -302,7 +304,10 @@ class Engine(ABC):
                 _settle(job.future, error=EngineClosed("no model version is loaded yet"))
                 continue
             groups.setdefault(id(handle), (handle, []))[1].append(job)
-        for handle, jobs in groups.values():
+        return list(groups.values())
+
+    def _run_batch(self, batch: list[_Job]) -> None:
+        for handle, jobs in self._by_handle(batch):
             self._run_group(handle, jobs)
 
     def _run_group(self, handle: Any, jobs: list[_Job]) -> None:

@@ -386,14 +386,7 @@ class ProcessEngine(Engine):
             rows += len(nxt.rows)
         self._unadmit(rows)
         self._last_batch_jobs = len(jobs)
-        groups: dict[int, tuple[SlotHandle, list[_Job]]] = {}
-        for job in jobs:
-            handle = self._handles.get(job.channel) or self._handles.get(PRODUCTION)
-            if handle is None:
-                _settle(job.future, error=EngineClosed("no model version is loaded yet"))
-                continue
-            groups.setdefault(id(handle), (handle, []))[1].append(job)
-        self._next_groups.extend(groups.values())
+        self._next_groups.extend(self._by_handle(jobs))
         if self._next_groups:
             self._send(*self._next_groups.popleft())
         elif self._queue:
