@@ -251,9 +251,7 @@ class VLLMEngine(Engine):
 
     def _prepare(self, ref: VersionRef, channel: str) -> Any:
         info = model_info(ref.model_dir, self.runner.both)
-        if self._vocab_size is not None and info["vocab_size"] != self._vocab_size:
-            raise ValueError(f"version {ref.version} has vocabulary {info['vocab_size']}, the served tokenizer "
-                             f"{self._vocab_size}: a tokenizer change needs a restart")
+        self._adopt(ref, info["vocab_size"], info["context_len"])
         if channel not in self.runner.llms:
             return None  # this channel's LLM is built from the directory, in the worker thread
         return read_state_dict(ref.model_dir)
@@ -261,10 +259,7 @@ class VLLMEngine(Engine):
     def _install(self, channel: str, prepared: Any, ref: VersionRef) -> VLLMHandle:
         if channel in self.runner.llms:
             return VLLMHandle(ref.version, self.runner.reload(channel, prepared, ref.model_dir))
-        llm = self.runner.start(channel, ref.model_dir)
-        info = model_info(ref.model_dir, self.runner.both)
-        self._adopt(ref, info["vocab_size"], info["context_len"])
-        return VLLMHandle(ref.version, llm)
+        return VLLMHandle(ref.version, self.runner.start(channel, ref.model_dir))
 
     def _generate(self, handle: VLLMHandle, rows: list[list[int]], params: list[SamplingParams], *,
                   on_step=None, on_finish=None) -> list[Sample]:
