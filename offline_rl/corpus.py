@@ -12,12 +12,19 @@ learns to continue a context that ends where an environment's turn ends.
 
 ``midtrain.agent_share`` sets the mixture. Batches are built to a token budget from a pool of
 documents grouped by length, so a step costs about the same whatever it holds and little is padding.
+
+Mid-training is language modelling on whole documents, tool output included (it shows what the tools
+return), with one exception (:class:`Row`): the environment's summary request gets no loss. It is
+written where the agent's next command would go, and a model that learnt to predict it writes it
+itself when no budget asked for a summary: "# context full" as a command, in every context as long
+as the ones the demonstrations summarised.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from offline_rl.config import MidtrainSettings, TaskSettings
@@ -25,6 +32,7 @@ from offline_rl.demos import DemoHabits, Segment, transcript_text, transcripts
 from offline_rl.repo_tasks import FAMILIES
 from offline_rl.tasks import corpus as function_corpus
 from policy.config import TinyModelSettings
+from policy.summary import SUMMARY_REQUEST
 from policy.tiny import build_tiny_model
 
 ANSWER_MARK = "return "
@@ -47,11 +55,32 @@ def function_segments(doc: str) -> list[Segment]:
     return [(doc[:cut], False), (doc[cut:], True)]
 
 
-def segment_ids(tokenizer, segments: list[Segment]) -> list[int]:
+@dataclass
+class Row:
+    """A document as mid-training sees it: its token ids, and per token whether predicting it is trained
+    (False on the environment's summary request)."""
+
+    ids: list[int]
+    trained: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def document_row(tokenizer, segments: list[Segment]) -> Row:
+    """The document's tokens (as :func:`segment_ids`) with the summary request's tokens untrained."""
     ids: list[int] = []
-    for text, _ in segments:
-        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids
+    trained: list[bool] = []
+    for text, by_policy in segments:
+        part = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += part
+        trained += [by_policy or text != SUMMARY_REQUEST] * len(part)
+    return Row(ids, trained)
+
+
+def segment_ids(tokenizer, segments: list[Segment]) -> list[int]:
+    """The document's token ids, each segment tokenized on its own."""
+    return document_row(tokenizer, segments).ids
 
 
 def documents(n: int, seed: int, split_seed: int, heldout_fraction: float, agent_share: float,
@@ -67,8 +96,8 @@ def documents(n: int, seed: int, split_seed: int, heldout_fraction: float, agent
         yield next(tdocs) if rng.random() < agent_share else function_segments(next(fdocs))
 
 
-def token_batches(tokenizer, docs: Iterable[list[Segment]], batch_tokens: int) -> Iterator[list[list[int]]]:
-    """Batches of token-id lists whose padded size (rows x longest row) stays within ``batch_tokens``.
+def token_batches(tokenizer, docs: Iterable[list[Segment]], batch_tokens: int) -> Iterator[list[Row]]:
+    """Batches of documents (:class:`Row`) whose padded size (rows x longest row) stays within ``batch_tokens``.
 
     Documents are drawn a pool at a time and grouped into length buckets (:data:`LENGTH_BUCKET`), so
     rows of a batch have similar lengths while documents within a bucket stay in random order; the
@@ -79,28 +108,28 @@ def token_batches(tokenizer, docs: Iterable[list[Segment]], batch_tokens: int) -
         pool = []
         budget = batch_tokens * POOL_BATCHES
         for segs in it:
-            ids = segment_ids(tokenizer, segs)
-            pool.append(ids)
-            budget -= len(ids)
+            row = document_row(tokenizer, segs)
+            pool.append(row)
+            budget -= len(row)
             if budget <= 0:
                 break
         if not pool:
             return
-        pool.sort(key=lambda ids: len(ids) // LENGTH_BUCKET)  # stable: draw order within a bucket
+        pool.sort(key=lambda row: len(row) // LENGTH_BUCKET)  # stable: draw order within a bucket
         batches, cur, width = [], [], 0
-        for ids in pool:
-            if cur and (len(cur) + 1) * max(len(ids), width) > batch_tokens:
+        for row in pool:
+            if cur and (len(cur) + 1) * max(len(row), width) > batch_tokens:
                 batches.append(cur)
                 cur, width = [], 0
-            cur.append(ids)
-            width = max(width, len(ids))
+            cur.append(row)
+            width = max(width, len(row))
         if cur:
             batches.append(cur)
         rng.shuffle(batches)
         yield from batches
 
 
-def midtrain_batches(tokenizer, cfg: MidtrainSettings, tasks: TaskSettings) -> Iterator[list[list[int]]]:
+def midtrain_batches(tokenizer, cfg: MidtrainSettings, tasks: TaskSettings) -> Iterator[list[Row]]:
     """Mid-training batches: documents drawn with ``midtrain.seed``, held-out functions those of the
     task split (``tasks.seed``, ``tasks.heldout_fraction``) the model is evaluated on, transcripts of
     the configured task families (``tasks.repo_families``)."""

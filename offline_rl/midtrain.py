@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from offline_rl.config import OfflineSettings
-from offline_rl.corpus import midtrain_batches, token_batches
+from offline_rl.corpus import Row, midtrain_batches, token_batches
 from offline_rl.demos import Segment
 from offline_rl.evaluate import evaluate_settings
 from policy.distributed import DataParallel, setup
@@ -47,32 +47,35 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float, schedule: st
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def pad_rows(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``(input_ids, mask)`` for a batch of token-id lists."""
+def pad_rows(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``(input_ids, mask, trained)`` for a batch of documents: ``mask`` marks real tokens,
+    ``trained`` the real tokens whose prediction is trained."""
     width = max(len(x) for x in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    trained = torch.zeros((len(rows), width), dtype=torch.bool)
     for i, x in enumerate(rows):
-        input_ids[i, :len(x)] = torch.tensor(x)
+        input_ids[i, :len(x)] = torch.tensor(x.ids)
         mask[i, :len(x)] = True
-    return input_ids, mask
+        trained[i, :len(x)] = torch.tensor(x.trained)
+    return input_ids, mask, trained
 
 
-def lm_loss(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the real (unpadded) positions; a mixture-of-experts model adds
-    its configured load-balancing loss (``router_aux_loss_coef`` x the Switch Transformer loss over
-    real tokens)."""
+def lm_loss(model, input_ids: torch.Tensor, mask: torch.Tensor, trained: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy over the real (unpadded) positions, or those of them ``trained``
+    marks; a mixture-of-experts model adds its configured load-balancing loss
+    (``router_aux_loss_coef`` x the Switch Transformer loss over real tokens)."""
     coef = getattr(model.config, "router_aux_loss_coef", 0.0) if geometry_of(model) is not None else 0.0
     out = model(input_ids=input_ids, attention_mask=mask.long(), use_cache=False,
                 **({"output_router_logits": True} if coef else {}))
     logits = out.logits[:, :-1].float()
     target = input_ids[:, 1:]
-    tmask = mask[:, 1:]
+    tmask = (mask if trained is None else trained)[:, 1:]
     loss = F.cross_entropy(logits[tmask], target[tmask])
     return loss + coef * out.aux_loss if coef else loss
 
 
-def _loop(model, opt, batches: Iterator[list[list[int]]], pad_id: int, device: str, lr_at: Callable[[int, float], float],
+def _loop(model, opt, batches: Iterator[list[Row]], pad_id: int, device: str, lr_at: Callable[[int, float], float],
           done: Callable[[int, float], bool], bar, on_step: Callable[[int, object], None] | None,
           dp: DataParallel) -> list[float]:
     """Train until ``done(step, elapsed_s)``; ``lr_at(step, elapsed_s)`` gives each step's LR.
@@ -95,10 +98,10 @@ def _loop(model, opt, batches: Iterator[list[list[int]]], pad_id: int, device: s
         dp.begin_backward(model)
         loss_value = 0.0
         if rows:
-            input_ids, mask = pad_rows(rows, pad_id)
+            input_ids, mask, trained = pad_rows(rows, pad_id)
             # This rank's part of the global token mean (1 in one process).
-            share = mask[:, 1:].sum().item() / sum(len(r) - 1 for r in batch) if dp.enabled else 1.0
-            loss = lm_loss(model, input_ids.to(device), mask.to(device)) * share
+            share = trained[:, 1:].sum().item() / sum(sum(r.trained[1:]) for r in batch) if dp.enabled else 1.0
+            loss = lm_loss(model, input_ids.to(device), mask.to(device), trained.to(device)) * share
             loss.backward()
             loss_value = loss.item()
         dp.end_backward(model)

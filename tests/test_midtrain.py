@@ -108,3 +108,20 @@ def test_training_loop_uses_its_own_threads_and_gives_the_callers_back(tiny_mode
         assert seen == [expected, expected]
         assert json.loads((out / "midtrain.json").read_text())["threads"] == expected
         assert torch.get_num_threads() == 1  # the caller's setting, restored
+
+
+def test_summary_request_gets_no_loss_and_the_summary_does():
+    """Mid-training does not teach the model to write the environment's summary request (it would write
+    it as a command whenever a context grew as long as the demonstrations' summarised ones), only to
+    answer it."""
+    from offline_rl.corpus import document_row
+    from policy.summary import SUMMARY_REQUEST
+
+    tok = _CharTokenizer()
+    segs = [("# issue: x\n$ ", False), ("cat notes.py\n", True), ("1 RULE = 1\n$ ", False),
+            (SUMMARY_REQUEST, False), ("rule 1\n", True)]
+    row = document_row(tok, segs)
+    start = len("# issue: x\n$ cat notes.py\n1 RULE = 1\n$ ")
+    assert row.ids == [ord(c) for c in "".join(t for t, _ in segs)]
+    assert not any(row.trained[start:start + len(SUMMARY_REQUEST)])
+    assert all(row.trained[:start]) and all(row.trained[start + len(SUMMARY_REQUEST):])
