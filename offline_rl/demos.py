@@ -62,11 +62,12 @@ class DemoHabits:
     """``trace`` tasks: read the notes module the issue names first (its rule is what informs the
     fix; the one visible test does not)."""
     summarise: float = 0.5
-    """``trace`` tasks: once the broken function is found, the context is full (as a context budget
-    would have it): answer the summary request and go on from a fresh context, a document of its own."""
+    """``trace`` tasks: once the notes are read, the context is full (the notes are long, as a context
+    budget would have it): answer the summary request and go on from a fresh context, a document of
+    its own."""
     summary_keeps_rule: float = 0.4
-    """A summary states the notes' rule (otherwise only where the function is, and the fix after it is
-    a guess). Imperfect on purpose: which summaries let an episode finish is for the reward to teach."""
+    """A summary states the notes' rule (otherwise it restates the issue, and the fix after it is a
+    guess). Imperfect on purpose: which summaries let an episode finish is for the reward to teach."""
     max_edits: int = 4
 
 
@@ -146,15 +147,15 @@ class Demonstrator:
                 self._do(st, segs, f"cat {p}")
                 seen.add(p)
 
-    def _summarise(self, st: RepoState, segs: list[Segment], task: RepoTask, edit: _Edit, keep: bool) -> list[Segment]:
-        """Close the context with a summary turn (``keep``: the summary states the rule) and return the
-        fresh one, as :meth:`RepoEnv.restart` opens it for the policy."""
-        notes = task.issue.rsplit(" ", 1)[-1]
-        where = f"{edit.find} is in {edit.path} line {self._line_of(st, edit.path, edit.find)}"
-        summary = (f"rule in {notes}: {edit.find}(x) = {task.metadata['reference']}; {where}" if keep
-                   else f"{where} and returns wrong values")
+    def _summarise(self, st: RepoState, segs: list[Segment], task: RepoTask, notes: str, keep: bool) -> list[Segment]:
+        """Close the context with a summary turn (``keep``: the summary states the rule, otherwise it only
+        restates the issue) and return the fresh one, as :meth:`RepoEnv.restart` opens it for the policy
+        under a budget the notes filled: without the notes' output, which would leave no room for a turn."""
+        name = task.tests[0].function
+        summary = (f"rule in {notes}: {name}(x) = {task.metadata['reference']}" if keep
+                   else f"{name} returns wrong values; rule in {notes}")
         segs += [(SUMMARY_REQUEST, False), (summary + "\n", True)]
-        return [(self.env.restart(st, summary), False)]
+        return [(self.env.restart(st, summary, carry=False), False)]
 
     def episode(self, task: RepoTask) -> list[list[Segment]]:
         """The episode's transcripts, one per context, oldest first (more than one after a summary)."""
@@ -163,7 +164,7 @@ class Demonstrator:
         segs: list[Segment] = [(header(task), False)]
         contexts = [segs]
         todo = _edits(task, self._wrong)
-        informed, seen, edits, summarised = False, set(), 0, False
+        informed, seen, edits = False, set(), 0
         # A trace task's rule is in its notes module: reading it is what informs the fix (the single
         # visible test does not pin the function down), so running the tests informs nothing there.
         notes = task.issue.rsplit(" ", 1)[-1] if task.family == "trace" else None
@@ -171,6 +172,10 @@ class Demonstrator:
             self._do(st, segs, f"cat {notes}")
             seen.add(notes)
             informed = True
+            if rng.random() < h.summarise:
+                informed = rng.random() < h.summary_keeps_rule
+                segs = self._summarise(st, segs, task, notes, informed)
+                contexts.append(segs)
         tests_inform = notes is None
         if rng.random() < h.test_first:
             self._do(st, segs, "test")
@@ -182,11 +187,6 @@ class Demonstrator:
             self._locate(st, segs, edit, seen)
             if st.done:
                 break
-            if notes is not None and not summarised and rng.random() < h.summarise:
-                summarised = True
-                informed = informed and rng.random() < h.summary_keeps_rule
-                segs = self._summarise(st, segs, task, edit, informed)
-                contexts.append(segs)
             if edit.needs_tests and not informed and tests_inform and rng.random() >= h.blind_edit:
                 self._do(st, segs, "test")
                 informed = True

@@ -56,6 +56,8 @@ MODULE_NAMES = ("geom", "calc", "util", "shapes", "money", "stats", "core", "uni
 HELPER_BODIES = ("x+1", "x*2", "x-1", "x*x", "abs(x)", "max(x,0)", "min(x,9)", "x%3")
 """Bodies of the functions that are correct and stay so (context the agent must leave alone)."""
 NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,31}$")
+TRACE_NOTE_LINES = 8
+"""Lines of a ``trace`` task's notes module: the rule and correct helpers (``cat`` shows 8 at once)."""
 MAX_FILES = 16
 MAX_FILE_CHARS = 4000
 
@@ -271,19 +273,20 @@ def make_repo_task(family: str, spec: FunctionSpec, pool: list[FunctionSpec], rn
 def _trace(task_id: str, spec: FunctionSpec, pool: list[FunctionSpec], rng: random.Random, d: _Draw,
            split: str) -> RepoTask:
     """The long-horizon family: the issue points at a notes module whose rule line states the function
-    (the fact, read first); the broken function sits in one of three other modules among correct
-    ones, and the visible test checks a single input, which does not pin the function down. The fix
-    needs the rule, read many turns earlier: across a context budget, only a summary that kept it."""
+    (the fact, read first) among :data:`TRACE_NOTE_LINES` - 1 other lines, so that reading it fills most
+    of a small context; the broken function sits in one of three other modules among correct ones,
+    and the visible test checks a single input, which does not pin the function down. The fix needs
+    the rule, read many turns earlier: across a context budget, only a summary that kept it."""
     notes, code = d.modules[0], d.modules[1:]
-    helpers = _helpers(rng, {d.name}, 8)
+    helpers = _helpers(rng, {d.name}, 6)
     rule = f'RULE = "{d.name}(x) = {spec.expr}"'
-    note_lines = [define(*h) for h in helpers[:2]] + [rule]
+    note_lines = [define(*h) for h in _helpers(rng, {d.name}, TRACE_NOTE_LINES - 1)] + [rule]
     rng.shuffle(note_lines)
     where = rng.randrange(len(code))
     bug = _near_miss(spec, pool, rng)
     files = {f"{notes}.py": "\n".join(note_lines) + "\n"}
     for k, m in enumerate(code):
-        lines = [define(*h) for h in helpers[2 + 2 * k:4 + 2 * k]] + (
+        lines = [define(*h) for h in helpers[2 * k:2 + 2 * k]] + (
             [define(d.name, bug.expr)] if k == where else [])
         rng.shuffle(lines)
         files[f"{m}.py"] = "\n".join(lines) + "\n"

@@ -5,9 +5,10 @@ that trains summaries (``offline_rl.agent_env``) and the gateway that applies th
 
 from __future__ import annotations
 
-SUMMARY_REQUEST = "# context full: summarise in one line what you need to finish\n# summary: "
+SUMMARY_REQUEST = "# context full\n# summary: "
 """What is written on the prompt line when the next turn would not fit the context budget; the
-policy's next line is its summary."""
+policy's next line is its summary. Short on purpose: every context keeps room for it (with the tiny
+model's tokenizer it is 20 tokens; a longer wording cost 53 of a few hundred)."""
 SUMMARY_PREFIX = "# summary: "
 """How the summary opens the fresh context."""
 

@@ -168,10 +168,11 @@ def test_trace_demonstrations_read_the_rule_and_fix_with_it():
 
 
 def test_trace_demonstrations_summarise_and_go_on_from_the_context_the_environment_opens():
-    """With ``summarise``, a trace episode is two transcripts: the first ends with the summary request and
-    the demonstrator's summary (policy text), the second is the fresh context :meth:`RepoEnv.restart`
-    builds from that summary. A summary that kept the rule carries the right fix; one that did not
-    leaves the fix a guess, so the corpus shows both outcomes for the reward to tell apart."""
+    """With ``summarise``, a trace episode is two transcripts: the first reads the notes and ends with the
+    summary request and the demonstrator's summary (policy text), the second is the fresh context
+    :meth:`RepoEnv.restart` builds from that summary without the notes' output. A summary that kept the
+    rule carries the right fix; one that did not leaves the fix a guess, so the corpus shows both
+    outcomes for the reward to tell apart."""
     import random
 
     from policy.summary import SUMMARY_PREFIX, SUMMARY_REQUEST
@@ -193,7 +194,8 @@ def test_trace_demonstrations_summarise_and_go_on_from_the_context_the_environme
             for text, is_action in first[1:-2]:
                 if is_action:
                     env.step(st, text.rstrip("\n"))
-            assert second[0] == (env.restart(st, summary), False)
+            assert [a for a, is_action in first if is_action][0] == f"cat {task.issue.rsplit(' ', 1)[-1]}\n"
+            assert second[0] == (env.restart(st, summary, carry=False), False)
             assert second[0][0].splitlines()[2] == SUMMARY_PREFIX + summary
             fix = transcript_text(second).split("$ edit", 1)[1].splitlines()[0]
             assert (f"return {task.metadata['reference']}" in fix) == bool(keep), fix
