@@ -70,11 +70,14 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
                       ("max abs Δlogp replayed, staleness 0 fp32", "goals.max_abs_dlogp_replay_staleness0_fp32"),
                       ("max replay overhead", "goals.max_recompute_overhead"),
                       ("route bytes per token and layer", "goals.max_bytes_per_token_routes"), ("cells", "cells")],
-    "summarise": [("budget tokens", "budget_tokens"), ("trained summaries", "trained"),
-                  ("untrained summaries", "untrained"), ("truncation", "truncation"), ("no budget", "no_budget"),
-                  ("x truncation", "trained_over_truncation"), ("x untrained", "trained_over_untrained"),
-                  ("summary tokens", "summary_tokens_mean"), ("summary / context", "compression_ratio"),
-                  ("segments", "segments_mean"), ("rule kept", "trained_detail.fact_kept"), ("wall s", "wall_s")],
+    "summarise": [("budget tokens", "budget_tokens"), ("trained summaries", "best_t.trained|trained"),
+                  ("untrained summaries", "best_t.untrained|untrained"), ("control", "best_t.control"),
+                  ("truncation", "best_t.truncation|truncation"), ("no budget", "best_t.no_budget|no_budget"), ("x truncation", "trained_over_truncation"),
+                  ("x untrained", "trained_over_untrained"), ("gain vs untrained", "gain_vs_untrained"),
+                  ("gain vs control", "gain_vs_control"), ("summary tokens", "summary_tokens_mean"),
+                  ("summary / context", "compression_ratio"), ("segments", "segments_mean"),
+                  ("rule kept", "fact_kept.trained|trained_detail.fact_kept"),
+                  ("rule kept untrained", "fact_kept.untrained|untrained_detail.fact_kept"), ("wall s", "wall_s")],
     "chaos": [("requests", "requests"), ("failed", "failed_requests"),
               ("failed outside engine kills", "failed_outside_engine_kills"), ("lost", "lost"),
               ("duplicates", "duplicates"), ("half-published", "half_published_versions"),
@@ -85,6 +88,9 @@ SKIP = {key for _, key in MACHINE_COLUMNS} | {"cpu_model", "bench", "cpu_count",
 
 
 def _get(record: dict[str, Any], path: str) -> Any:
+    """The value at a dotted ``path``; ``a|b``: the first of the two paths present (a key renamed)."""
+    if "|" in path:
+        return next((v for v in (_get(record, p) for p in path.split("|")) if v is not None), None)
     value: Any = record
     for part in path.split("."):
         if not isinstance(value, dict) or part not in value:

@@ -1,26 +1,32 @@
 """`rtrl bench summarise`: does RL teach the model summaries that carry a long episode across its context
-budget? On the held-out long-horizon ``trace`` family, at one budget, four arms from one start model:
+budget? On the held-out long-horizon ``trace`` family, at one budget, from one start model:
 
 * ``trained``: after a short GRPO run on the ``trace`` training tasks with the budget on (summary turns
   are part of the episodes, credited with the episode's reward);
 * ``untrained``: the start model's own summaries, same budget;
-* ``truncation``: the same budget as a hard limit, no summary turn: an episode that outgrows it is cut
-  off (no reward);
-* ``no_budget``: the model's whole context (the ceiling).
+* ``control``: the matched-compute control, the start model mid-trained for as long as that GRPO run
+  took (on the same corpus, whose demonstrations summarise imperfectly), same budget;
+* ``truncation``: the start model with the same budget as a hard limit, no summary turn: an episode
+  that outgrows it is cut off (no reward);
+* ``no_budget``: the start model with its whole context (the ceiling).
+
+Every arm is held-out success (pass@1) at its own best temperature of the grid (``eval.temperatures``
+and ``eval.temperature``): a gain that a lower temperature also gives is not one RL made. The paired
+gains of ``trained`` over ``untrained`` and over ``control`` come with 95% intervals over tasks.
 
 The start model (unless ``--from``) is the tiny default model, mid-trained on the ``trace`` family's
 transcripts and then trained with GRPO on its training tasks *without* a budget (:func:`agent_start`):
 mid-training alone reads the notes and finds the function but rarely copies the rule's constants, so
 it solves almost no task even with its whole context, and nothing could be learnt about summaries.
 
-Each arm is held-out success (pass@1) at ``eval.temperature``; the summary figures (tokens per summary,
-the share of the replaced context they take, segments per episode, whether the rule the fix needs
-survived) are the trained arm's, the untrained arm's beside them in ``untrained_detail``.
+The summary figures (tokens per summary, the share of the replaced context they take, segments per
+episode, whether the rule the fix needs survived: ``fact_kept``) are each model's at its best
+temperature.
 
 The budget is ``env.context_budget`` when set, else the smallest budget every held-out task allows
-plus :data:`BUDGET_SLACK` tokens. ``--quick`` runs every step at toy sizes to check the
-pipeline, not to measure. Artefacts stay in ``<var_dir>/bench/summarise`` (a temporary directory with
-``--quick``).
+plus :data:`BUDGET_SLACK` tokens: reading a task's notes then fills the context, so the rule reaches
+the fix only through a summary. ``--quick`` runs every step at toy sizes to check the pipeline, not
+to measure. Artefacts stay in ``<var_dir>/bench/summarise`` (a temporary directory with ``--quick``).
 """
 
 from __future__ import annotations
@@ -32,25 +38,32 @@ from pathlib import Path
 from typing import Any
 
 from offline_rl.agent_env import RepoEnv, TrustedTests, header
+from offline_rl.compare import Comparison, grid_temperatures
 from offline_rl.corpus import build_default_model
-from offline_rl.evaluate import EvalResult, evaluate
+from offline_rl.evaluate import GridResult, temperature_grid
 from offline_rl.grpo import run_grpo
-from offline_rl.midtrain import run_midtrain
+from offline_rl.midtrain import continue_midtrain, run_midtrain
 from offline_rl.presets import apply_overrides
 from offline_rl.rollout import min_budget
 from offline_rl.sandbox import SandboxPool
 from offline_rl.splits import load_split
 from policy.loading import load_policy
 
-BUDGET_SLACK = 64
-"""Tokens above the smallest legal budget: room for a few turns per context, far less than an episode."""
+BUDGET_SLACK = 32
+"""Tokens above the smallest legal budget: room for two or three turns after a summary, less than an
+episode that reads the notes and then fixes the function."""
+DIRECT_HABITS = {"test_first": 0.0, "look_around": 0.0, "grep": 1.0, "verify": 0.0}
+"""The demonstrator's habits on this bench (``midtrain.demo_habits`` overrides them): straight from the
+notes to the fix (read the notes, ``grep``, edit, submit), so that at the bench's budget the context after
+a summary holds the rest of the episode; a detour would need a second summary, which the
+demonstrations never show."""
 QUICK = {
     "tiny": {"corpus_examples": 600},
     "midtrain": {"steps": 20, "batch_tokens": 1024, "warmup_steps": 2},
     "grpo": {"steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 12, "mode": "sync"},
     "env": {"max_turns": 6, "summary_max_tokens": 16},
     "tasks": {"repo_heldout_per_family": 2},
-    "eval": {"samples": 2},
+    "eval": {"samples": 2, "temperatures": [1.0, 0.5]},
 }
 
 
@@ -60,6 +73,7 @@ def _configure(settings, quick: bool, work: Path):
         apply_overrides(s, QUICK)
     s.env.kind = "repo"
     s.tasks.repo_families = ["trace"]
+    s.midtrain.demo_habits = {**DIRECT_HABITS, **settings.midtrain.demo_habits}
     s.tasks.repo_path = None
     s.midtrain.eval_at_end = False
     s.grpo.out_dir = str(work / "grpo")
@@ -88,14 +102,14 @@ def agent_start(s, work: Path, quick: bool, log: Callable[[str], None]) -> Path:
                     evaluate_after=False).final_dir
 
 
-def _arm(s, path, tasks, sandbox, *, budget: int, summarise: bool) -> EvalResult:
-    """Held-out success of the model at ``path``: with the budget and summaries, with the budget as a hard
-    limit (``summarise`` False, ``budget`` > 0), or with no budget (``budget`` 0)."""
+def _grid(s, path, tasks, sandbox, temperatures, *, budget: int, summarise: bool) -> GridResult:
+    """Held-out success of the model at ``path`` at each temperature: with the budget and summaries, with
+    the budget as a hard limit (``summarise`` False, ``budget`` > 0), or with no budget (``budget`` 0)."""
     policy = load_policy(path, "float32", s.model.device)
-    es = s.env.model_copy(update={"context_budget": budget if summarise else 0})
-    return evaluate(policy.model, policy.tokenizer, tasks, samples=s.eval.samples, k=[1],
-                    temperature=s.eval.temperature, max_new_tokens=s.grpo.max_new_tokens, seed=s.grpo.seed + 17,
-                    sandbox=sandbox, env_settings=es, max_context=None if summarise or not budget else budget)
+    arm = s.model_copy(deep=True)
+    arm.env.context_budget = budget if summarise else 0
+    return temperature_grid(arm, policy.model, policy.tokenizer, temperatures, tasks=tasks, sandbox=sandbox,
+                            max_context=None if summarise or not budget else budget)
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -104,7 +118,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         from_dir: str | None = None) -> dict[str, Any]:
-    """The four arms; ``from_dir``: the start model (else :func:`agent_start` builds one)."""
+    """The five arms; ``from_dir``: the start model (else :func:`agent_start` builds one)."""
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-summarise-") as tmp:
         work = Path(tmp) if quick else Path(settings.var_dir) / "bench" / "summarise"
@@ -115,23 +129,30 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         tokenizer = load_policy(start, "float32", s.model.device).tokenizer
         budget = pick_budget(s, tokenizer, [*split.train, *split.heldout])
         s.env.context_budget = budget
-        log(f"summarise: budget {budget} tokens, {len(split.heldout)} held-out trace tasks x {s.eval.samples}, "
-            f"start model {start}")
+        temps = grid_temperatures(s)
+        log(f"summarise: budget {budget} tokens, {len(split.heldout)} held-out trace tasks x {s.eval.samples} "
+            f"at T {temps}, start model {start}")
         t0 = time.perf_counter()
         grpo = run_grpo(s, start, progress=not quick, log=log, resume=False, evaluate_before=False,
                         evaluate_after=False)
         grpo_s = time.perf_counter() - t0
-        arms: dict[str, EvalResult] = {}
+        log(f"summarise: GRPO took {grpo_s:.0f}s; the control mid-trains the start model for as long")
+        control = continue_midtrain(s, start, work / "control", seconds=grpo_s, progress=not quick, log=log)
+        runs = {"trained": (grpo.final_dir, True, budget), "untrained": (start, True, budget),
+                "control": (control, True, budget), "truncation": (start, False, budget),
+                "no_budget": (start, False, 0)}
+        grids: dict[str, GridResult] = {}
         with SandboxPool(s.sandbox) as sandbox:
-            arms["trained"] = _arm(s, grpo.final_dir, split.heldout, sandbox, budget=budget, summarise=True)
-            arms["untrained"] = _arm(s, start, split.heldout, sandbox, budget=budget, summarise=True)
-            arms["truncation"] = _arm(s, start, split.heldout, sandbox, budget=budget, summarise=False)
-            arms["no_budget"] = _arm(s, start, split.heldout, sandbox, budget=0, summarise=False)
-        for name, r in arms.items():
-            log(f"summarise: {name}: success {r.pass_at_1:.3f}, truncated {r.truncated:.2f}, "
-                f"summaries {r.summaries.get('summaries_mean', 0.0):.2f} per episode")
-    trained = arms["trained"].summaries
-    ok = {name: round(r.pass_at_1, 4) for name, r in arms.items()}
+            for name, (path, summarise, b) in runs.items():
+                grids[name] = _grid(s, path, split.heldout, sandbox, temps, budget=b, summarise=summarise)
+                log(f"summarise: {name}: " + ", ".join(
+                    f"T={t}: {r.pass_at_1:.3f} (fact kept {r.summaries.get('fact_kept')})"
+                    for t, r in grids[name].results.items()))
+    cmp = Comparison(grids=grids, temperatures=temps, serving_t=s.eval.temperature, subject="trained",
+                     n_tasks=len(split.heldout), samples=s.eval.samples)
+    ok = {name: cmp.best(name)["pass_at_1"] for name in grids}
+    summaries = {name: g.best.summaries for name, g in grids.items()}
+    trained = summaries["trained"]
     return {
         "budget_tokens": budget,
         **ok,
@@ -140,11 +161,14 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         "segments_mean": trained.get("segments_mean", 1.0),
         "trained_over_truncation": _ratio(ok["trained"], ok["truncation"]),
         "trained_over_untrained": _ratio(ok["trained"], ok["untrained"]),
-        "trained_detail": {**trained, "ci95": list(arms["trained"].ci95)},
-        "untrained_detail": {**arms["untrained"].summaries, "ci95": list(arms["untrained"].ci95)},
-        "truncation_detail": {"truncated_share": arms["truncation"].truncated,
-                              "ci95": list(arms["truncation"].ci95)},
-        "no_budget_detail": {"truncated_share": arms["no_budget"].truncated, "ci95": list(arms["no_budget"].ci95)},
+        "gain_vs_untrained": cmp.gain("untrained"),
+        "gain_vs_control": cmp.gain("control"),
+        "best_t": {name: cmp.best(name) for name in grids},
+        "fact_kept": {name: m.get("fact_kept") for name, m in summaries.items() if m},
+        "summaries": summaries,
+        "truncated_share": {name: round(g.best.truncated, 4) for name, g in grids.items()},
+        "temperatures": temps,
+        "pass_at_1_by_t": cmp.to_dict()["pass_at_1_by_t"],
         "heldout_tasks": len(split.heldout),
         "samples_per_task": s.eval.samples,
         "grpo_steps": grpo.steps,

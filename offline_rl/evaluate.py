@@ -202,7 +202,7 @@ def summary_metrics(trajs) -> dict:
 
 def evaluate_settings(settings, model, tokenizer, *, temperature: float | None = None,
                       tasks: Sequence[Task | RepoTask] | None = None, samples: int | None = None,
-                      sandbox: Sandbox | SandboxPool | None = None) -> EvalResult:
+                      sandbox: Sandbox | SandboxPool | None = None, max_context: int | None = None) -> EvalResult:
     """:func:`evaluate` on the configured environment's held-out tasks with the configured sizes."""
     ev = settings.eval
     tasks = tasks if tasks is not None else load_split(settings.tasks, settings.env).heldout
@@ -210,7 +210,7 @@ def evaluate_settings(settings, model, tokenizer, *, temperature: float | None =
     return evaluate(model, tokenizer, tasks, samples=n, k=[k for k in ev.k if k <= n],
                     temperature=ev.temperature if temperature is None else temperature,
                     max_new_tokens=settings.grpo.max_new_tokens, seed=settings.grpo.seed + 17, sandbox=sandbox,
-                    env_settings=settings.env)
+                    env_settings=settings.env, max_context=max_context)
 
 
 @dataclass
@@ -236,12 +236,13 @@ class GridResult:
 
 def temperature_grid(settings, model, tokenizer, temperatures: Sequence[float], *,
                      tasks: Sequence[Task | RepoTask] | None = None, samples: int | None = None,
-                     sandbox: Sandbox | SandboxPool | None = None) -> GridResult:
+                     sandbox: Sandbox | SandboxPool | None = None, max_context: int | None = None) -> GridResult:
     """:func:`evaluate_settings` at every temperature of ``temperatures`` (same tasks, same seeds)."""
     if not temperatures:
         raise ValueError("an empty temperature grid")
     return GridResult({float(t): evaluate_settings(settings, model, tokenizer, temperature=float(t), tasks=tasks,
-                                                   samples=samples, sandbox=sandbox) for t in temperatures})
+                                                   samples=samples, sandbox=sandbox, max_context=max_context)
+                       for t in temperatures})
 
 
 def paired_gain(a: EvalResult, b: EvalResult) -> dict[str, float]:
