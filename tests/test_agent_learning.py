@@ -15,16 +15,11 @@ learning`'s question, which does not fit a CI budget.
 
 from __future__ import annotations
 
-import dataclasses
-
-from offline_rl.demos import DemoHabits, task_transcripts
-from offline_rl.evaluate import temperature_grid
+from offline_rl.demos import DemoHabits
 from offline_rl.grpo import run_grpo
-from offline_rl.midtrain import run_midtrain
-from offline_rl.repo_tasks import write_repo_tasks
 from offline_rl.splits import load_split
-from policy.loading import load_policy
 from rtrl.config import load_settings
+from tests.offline_fixtures import before_and_after, imitate, train_and_evaluate_on
 
 TEMPERATURES = [1.0, 0.5, 0.25]
 BAD_HABITS = DemoHabits(blind_edit=0.7, verify=0.3, retry=0.3)
@@ -34,24 +29,10 @@ def test_grpo_lifts_agent_success_beyond_the_best_temperature(tiny_model_dir, tm
     s = load_settings()
     s.var_dir, s.env.kind = str(tmp_path / "var"), "repo"
     tasks = [t for t in load_split(s.tasks, s.env).train if t.family == "fix"][:4]
-    s.midtrain.steps, s.midtrain.batch_tokens, s.midtrain.eval_at_end = 150, 2048, False
-    docs = task_transcripts(tasks, BAD_HABITS, split_seed=s.tasks.seed, heldout_fraction=s.tasks.heldout_fraction)
-    start = run_midtrain(s, init_dir=tiny_model_dir, out_dir=tmp_path / "midtrain", progress=False, documents=docs)
-
-    # GRPO draws its prompts from the four tasks; the evaluation sees the same four under other ids.
-    both = [dataclasses.replace(t, split="train") for t in tasks]
-    both += [dataclasses.replace(t, task_id="eval-" + t.task_id, split="heldout") for t in tasks]
-    write_repo_tasks(both, tmp_path / "tasks.jsonl")
-    s.tasks.repo_path = str(tmp_path / "tasks.jsonl")
-    g = s.grpo
-    g.out_dir, g.mode, g.steps, g.prompts_per_step, g.group_size = str(tmp_path / "grpo"), "sync", 10, 4, 8
-    g.lr, g.eval_every, g.warmup_steps, g.publish = 2e-4, 0, 0, False
+    start = imitate(s, tiny_model_dir, tmp_path, tasks, BAD_HABITS)
+    train_and_evaluate_on(s, tasks, tmp_path)
     res = run_grpo(s, start, progress=False, resume=False, evaluate_before=False, evaluate_after=False)
-
-    grids = {}
-    for name, path in (("before", start), ("after", res.final_dir)):
-        p = load_policy(path)
-        grids[name] = temperature_grid(s, p.model, p.tokenizer, TEMPERATURES, samples=32)
+    grids = before_and_after(s, start, res.final_dir, TEMPERATURES)
     before, after = grids["before"].best, grids["after"].best
     report = {n: (g.best_t, g.to_dict()["pass_at_1"]) for n, g in grids.items()}
     assert after.pass_at_1 >= before.pass_at_1 + 0.15, report

@@ -16,19 +16,15 @@ summarise`'s question, which does not fit a CI budget.
 
 from __future__ import annotations
 
-import dataclasses
-
 from benchmarks.summarise import DIRECT_HABITS
 from offline_rl.agent_env import RepoEnv, TrustedTests, header
-from offline_rl.demos import DemoHabits, task_transcripts
-from offline_rl.evaluate import temperature_grid
+from offline_rl.demos import DemoHabits
 from offline_rl.grpo import run_grpo
-from offline_rl.midtrain import run_midtrain
-from offline_rl.repo_tasks import write_repo_tasks
 from offline_rl.rollout import min_budget
 from offline_rl.splits import load_split
 from policy.loading import load_policy
 from rtrl.config import load_settings
+from tests.offline_fixtures import before_and_after, imitate, train_and_evaluate_on
 
 TEMPERATURES = [1.0, 0.5, 0.25]
 LOSSY = DemoHabits(read_notes=1.0, summarise=1.0, summary_keeps_rule=0.25, correct=1.0, **DIRECT_HABITS)
@@ -38,17 +34,10 @@ def test_grpo_teaches_summaries_that_keep_the_rule(tiny_model_dir, tmp_path):
     s = load_settings()
     s.var_dir, s.env.kind, s.tasks.repo_families = str(tmp_path / "var"), "repo", ["trace"]
     tasks = load_split(s.tasks, s.env).train[:4]
-    s.midtrain.steps, s.midtrain.batch_tokens, s.midtrain.eval_at_end = 150, 2048, False
-    docs = task_transcripts(tasks, LOSSY, split_seed=s.tasks.seed, heldout_fraction=s.tasks.heldout_fraction)
-    start = run_midtrain(s, init_dir=tiny_model_dir, out_dir=tmp_path / "midtrain", progress=False, documents=docs)
-
-    both = [dataclasses.replace(t, split="train") for t in tasks]
-    both += [dataclasses.replace(t, task_id="eval-" + t.task_id, split="heldout") for t in tasks]
-    write_repo_tasks(both, tmp_path / "tasks.jsonl")
-    s.tasks.repo_path = str(tmp_path / "tasks.jsonl")
+    start = imitate(s, tiny_model_dir, tmp_path, tasks, LOSSY)
+    train_and_evaluate_on(s, tasks, tmp_path)
     g = s.grpo
-    g.out_dir, g.mode, g.steps, g.prompts_per_step, g.group_size = str(tmp_path / "grpo"), "sync", 10, 4, 8
-    g.lr, g.eval_every, g.warmup_steps, g.publish, g.max_new_tokens = 2e-4, 0, 0, False, 24
+    g.max_new_tokens = 24
     # A budget the notes fill (so every episode summarises) with room after a summary for grep, edit, submit.
     s.env.summary_max_tokens = 24
     tok = load_policy(start).tokenizer
@@ -57,10 +46,7 @@ def test_grpo_teaches_summaries_that_keep_the_rule(tiny_model_dir, tmp_path):
     s.env.context_budget = min_budget(tok, env, prompt, g.max_new_tokens) + 48
     res = run_grpo(s, start, progress=False, resume=False, evaluate_before=False, evaluate_after=False)
 
-    grids = {}
-    for name, path in (("before", start), ("after", res.final_dir)):
-        p = load_policy(path)
-        grids[name] = temperature_grid(s, p.model, p.tokenizer, TEMPERATURES, samples=32)
+    grids = before_and_after(s, start, res.final_dir, TEMPERATURES)
     before, after = grids["before"].best, grids["after"].best
     report = {n: (g.best_t, g.to_dict()["pass_at_1"], g.best.summaries.get("fact_kept")) for n, g in grids.items()}
     assert before.summaries["segments_mean"] > 1 and after.summaries["segments_mean"] > 1, report
