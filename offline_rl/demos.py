@@ -35,6 +35,7 @@ from offline_rl.repo_tasks import (
     is_test_file,
     make_repo_task,
     module_of,
+    trace_rule,
 )
 from offline_rl.tasks import FunctionSpec, split_specs
 from policy.summary import SUMMARY_REQUEST
@@ -152,7 +153,7 @@ class Demonstrator:
         restates the issue) and return the fresh one, as :meth:`RepoEnv.restart` opens it for the policy
         under a budget the notes filled: without the notes' output, which would leave no room for a turn."""
         name = task.tests[0].function
-        summary = (f"rule in {notes}: {name}(x) = {task.metadata['reference']}" if keep
+        summary = (trace_rule(name, task.metadata["reference"]) if keep
                    else f"{name} returns wrong values; rule in {notes}")
         segs += [(SUMMARY_REQUEST, False), (summary + "\n", True)]
         return [(self.env.restart(st, summary, carry=False), False)]

@@ -58,6 +58,10 @@ HELPER_BODIES = ("x+1", "x*2", "x-1", "x*x", "abs(x)", "max(x,0)", "min(x,9)", "
 NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,31}$")
 TRACE_NOTE_LINES = 8
 """Lines of a ``trace`` task's notes module: the rule and correct helpers (``cat`` shows 8 at once)."""
+def trace_rule(name: str, body: str) -> str:
+    """A ``trace`` task's rule, a comment in its notes module: the fix's line after its ``def`` (which
+    would make ``grep def NAME`` find the rule too), so that the fix copies it rather than rewrites it."""
+    return f"rule: {name}(x): return {body}"
 MAX_FILES = 16
 MAX_FILE_CHARS = 4000
 
@@ -195,6 +199,11 @@ def _tests_for(module: str, name: str, spec: FunctionSpec, inputs: list[int]) ->
     return [RepoTest(module, name, [x], spec(x)) for x in inputs]
 
 
+def _other_family(spec: FunctionSpec, pool: list[FunctionSpec], rng: random.Random) -> FunctionSpec:
+    """A wrong function of another family: a bug that shares little text with the right body."""
+    return rng.choice([s for s in pool if s.family != spec.family] or [s for s in pool if s.expr != spec.expr])
+
+
 def _near_miss(spec: FunctionSpec, pool: list[FunctionSpec], rng: random.Random) -> FunctionSpec:
     """A wrong function of the same family (the bug, or a plausible wrong fix)."""
     same = [s for s in pool if s.family == spec.family and s.expr != spec.expr]
@@ -274,16 +283,17 @@ def _trace(task_id: str, spec: FunctionSpec, pool: list[FunctionSpec], rng: rand
            split: str) -> RepoTask:
     """The long-horizon family: the issue points at a notes module whose rule line states the function
     (the fact, read first) among :data:`TRACE_NOTE_LINES` - 1 other lines, so that reading it fills most
-    of a small context; the broken function sits in one of three other modules among correct ones,
-    and the visible test checks a single input, which does not pin the function down. The fix needs
+    of a small context; the broken function (another family's body: the fix is the rule's body, not an
+    edit of the bug's) sits in one of three other modules among correct ones, and the visible test
+    checks a single input, which does not pin the function down. The fix needs
     the rule, read many turns earlier: across a context budget, only a summary that kept it."""
     notes, code = d.modules[0], d.modules[1:]
     helpers = _helpers(rng, {d.name}, 6)
-    rule = f'RULE = "{d.name}(x) = {spec.expr}"'
+    rule = f"# {trace_rule(d.name, spec.expr)}"
     note_lines = [define(*h) for h in _helpers(rng, {d.name}, TRACE_NOTE_LINES - 1)] + [rule]
     rng.shuffle(note_lines)
     where = rng.randrange(len(code))
-    bug = _near_miss(spec, pool, rng)
+    bug = _other_family(spec, pool, rng)
     files = {f"{notes}.py": "\n".join(note_lines) + "\n"}
     for k, m in enumerate(code):
         lines = [define(*h) for h in helpers[2 * k:2 + 2 * k]] + (

@@ -18,6 +18,7 @@ from offline_rl.repo_tasks import (
     generate_repo_tasks,
     load_repo_tasks,
     make_repo_task,
+    trace_rule,
     write_repo_tasks,
 )
 from offline_rl.rewards import RewardFunction
@@ -162,6 +163,8 @@ def test_trace_demonstrations_read_the_rule_and_fix_with_it():
         text = transcript_text(segs)
         assert text.splitlines()[2] == f"$ cat {notes}", text
         assert f"return {rule}" in text.split("$ edit", 1)[1].splitlines()[0], text
+        st = RepoEnv(TrustedTests()).reset(task)  # finding the function does not show the rule
+        assert rule not in RepoEnv(TrustedTests()).step(st, f"grep def {task.tests[0].function}")
         (segs,) = blind.episode(task)
         unread = transcript_text(segs)
         assert f"return {rule}" not in unread.split("$ edit", 1)[1].splitlines()[0], unread
@@ -184,7 +187,7 @@ def test_trace_demonstrations_summarise_and_go_on_from_the_context_the_environme
         demo = Demonstrator(DemoHabits(read_notes=1.0, correct=1.0, summarise=1.0, summary_keeps_rule=keep),
                             train_specs, random.Random(2))
         for task in tasks:
-            rule = f"{task.tests[0].function}(x) = {task.metadata['reference']}"
+            rule = trace_rule(task.tests[0].function, task.metadata["reference"])
             first, second = demo.episode(task)
             assert first[-2] == (SUMMARY_REQUEST, False) and first[-1][1], first[-2:]
             summary = first[-1][0].rstrip("\n")
