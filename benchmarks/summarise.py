@@ -44,6 +44,7 @@ from offline_rl.evaluate import GridResult, temperature_grid
 from offline_rl.grpo import run_grpo
 from offline_rl.midtrain import continue_midtrain, run_midtrain
 from offline_rl.presets import apply_overrides
+from offline_rl.repo_tasks import FAMILIES
 from offline_rl.rollout import min_budget
 from offline_rl.sandbox import SandboxPool
 from offline_rl.splits import load_split
@@ -52,11 +53,17 @@ from policy.loading import load_policy
 BUDGET_SLACK = 32
 """Tokens above the smallest legal budget: room for two or three turns after a summary, less than an
 episode that reads the notes and then fixes the function."""
-DIRECT_HABITS = {"test_first": 0.0, "look_around": 0.0, "grep": 1.0, "verify": 0.0}
+DIRECT_HABITS = {"test_first": 0.0, "grep": 1.0, "verify": 0.0, "correct": 1.0}
 """The demonstrator's habits on this bench (``midtrain.demo_habits`` overrides them): straight from the
 notes to the fix (read the notes, ``grep``, edit, submit), so that at the bench's budget the context after
-a summary holds the rest of the episode; a detour would need a second summary, which the
-demonstrations never show."""
+a summary holds the rest of the episode (a detour would need a second summary, which the
+demonstrations never show); an informed edit is always right. ``ls`` comes before the notes if at all."""
+CORPUS_FAMILIES = [*FAMILIES, *["trace"] * len(FAMILIES)]
+"""The start model's corpus (``midtrain.families`` overrides it): ``trace`` transcripts for half of the
+transcripts, the standard mix for the other half. Trained on ``trace`` transcripts alone, the tiny model
+copied the rule and the function's name but predicted module names at their base rate in both places a
+command needs one (the notes in ``cat``, the broken module in ``edit``), so it solved almost nothing; the
+standard mix names modules in many more commands and outputs."""
 QUICK = {
     "tiny": {"corpus_examples": 600},
     "midtrain": {"steps": 20, "batch_tokens": 1024, "warmup_steps": 2},
@@ -74,6 +81,7 @@ def _configure(settings, quick: bool, work: Path):
     s.env.kind = "repo"
     s.tasks.repo_families = ["trace"]
     s.midtrain.demo_habits = {**DIRECT_HABITS, **settings.midtrain.demo_habits}
+    s.midtrain.families = settings.midtrain.families or CORPUS_FAMILIES
     s.tasks.repo_path = None
     s.midtrain.eval_at_end = False
     s.grpo.out_dir = str(work / "grpo")

@@ -57,6 +57,10 @@ class MidtrainSettings(Section):
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
     seed: int = Field(1, description="Seed that draws the corpus's documents. Which functions the corpus "
                       "leaves out follows tasks.seed: the split the model is evaluated on.")
+    families: list[Literal["implement", "fix", "rename", "locate", "trace"]] = Field(
+        default_factory=list, description="Task families whose transcripts the corpus holds, in turn (a family "
+        "named twice gets twice the share); empty: tasks.repo_families. A corpus can teach more than the tasks "
+        "are drawn from: the tool skills of the standard mix carry over to `trace` tasks.")
     eval_at_end: bool = Field(True, description="Report held-out success of the result.")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads for the training loop; unset: "
                                 "one per core (mid-training runs alone and its batches split well across cores, "

@@ -132,10 +132,10 @@ def token_batches(tokenizer, docs: Iterable[list[Segment]], batch_tokens: int) -
 def midtrain_batches(tokenizer, cfg: MidtrainSettings, tasks: TaskSettings) -> Iterator[list[Row]]:
     """Mid-training batches: documents drawn with ``midtrain.seed``, held-out functions those of the
     task split (``tasks.seed``, ``tasks.heldout_fraction``) the model is evaluated on, transcripts of
-    the configured task families (``tasks.repo_families``)."""
+    ``midtrain.families`` (default: the task families, ``tasks.repo_families``)."""
     habits = DemoHabits(**cfg.demo_habits) if cfg.demo_habits else None
     docs = documents(1 << 40, cfg.seed, tasks.seed, tasks.heldout_fraction, cfg.agent_share, habits,
-                     families=tuple(tasks.repo_families))
+                     families=tuple(cfg.families or tasks.repo_families))
     return token_batches(tokenizer, docs, cfg.batch_tokens)
 
 

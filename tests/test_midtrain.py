@@ -125,3 +125,32 @@ def test_summary_request_gets_no_loss_and_the_summary_does():
     assert row.ids == [ord(c) for c in "".join(t for t, _ in segs)]
     assert not any(row.trained[start:start + len(SUMMARY_REQUEST)])
     assert all(row.trained[:start]) and all(row.trained[start + len(SUMMARY_REQUEST):])
+
+
+def test_corpus_families_default_to_the_task_families_and_repeat_as_weights():
+    """``midtrain.families`` draws transcripts of its families in turn (a family named twice, twice as
+    often); left empty, the corpus follows ``tasks.repo_families``."""
+    import itertools
+
+    from offline_rl.config import MidtrainSettings, TaskSettings
+    from offline_rl.corpus import midtrain_batches
+
+    class Recorder(_CharTokenizer):
+        issues: list[str] = []
+
+        def __call__(self, text, add_special_tokens=False):
+            if text.startswith("# issue: "):
+                self.issues.append(text.splitlines()[0])
+            return super().__call__(text)
+
+    def issues(cfg, tasks):
+        Recorder.issues = []
+        list(itertools.islice(midtrain_batches(Recorder(), cfg, tasks), 2))
+        return Recorder.issues
+
+    tasks = TaskSettings(repo_families=["trace"])
+    only = issues(MidtrainSettings(agent_share=1.0, batch_tokens=2000), tasks)
+    assert only and all("its rule is in" in i for i in only)
+    mixed = issues(MidtrainSettings(agent_share=1.0, batch_tokens=2000, families=["fix", "trace", "trace"]), tasks)
+    trace = sum("its rule is in" in i for i in mixed)
+    assert 0 < len(mixed) - trace < trace, mixed

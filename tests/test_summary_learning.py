@@ -27,7 +27,8 @@ from rtrl.config import load_settings
 from tests.offline_fixtures import before_and_after, imitate, train_and_evaluate_on
 
 TEMPERATURES = [1.0, 0.5, 0.25]
-LOSSY = DemoHabits(read_notes=1.0, summarise=1.0, summary_keeps_rule=0.25, correct=1.0, **DIRECT_HABITS)
+LOSSY = DemoHabits(**{**DIRECT_HABITS, "read_notes": 1.0, "summarise": 1.0, "summary_keeps_rule": 0.25,
+                      "look_around": 0.0})
 
 
 def test_grpo_teaches_summaries_that_keep_the_rule(tiny_model_dir, tmp_path):
