@@ -14,10 +14,11 @@ Every arm is held-out success (pass@1) at its own best temperature of the grid (
 and ``eval.temperature``): a gain that a lower temperature also gives is not one RL made. The paired
 gains of ``trained`` over ``untrained`` and over ``control`` come with 95% intervals over tasks.
 
-The start model (unless ``--from``) is the tiny default model, mid-trained on the ``trace`` family's
-transcripts and then trained with GRPO on its training tasks *without* a budget (:func:`agent_start`):
-mid-training alone reads the notes and finds the function but rarely copies the rule's constants, so
-it solves almost no task even with its whole context, and nothing could be learnt about summaries.
+The start model (unless ``--from``) is the tiny default model, mid-trained on ``trace`` transcripts
+mixed with the standard families' (:data:`CORPUS_FAMILIES`, :data:`RULE_DRILL`) and then trained with
+GRPO on the ``trace`` training tasks *without* a budget (:func:`agent_start`): mid-training alone reads
+the notes and finds the function but rarely copies the rule's constants, so it solves few tasks even
+with its whole context, and little could be learnt about summaries.
 
 The summary figures (tokens per summary, the share of the replaced context they take, segments per
 episode, whether the rule the fix needs survived: ``fact_kept``) are each model's at its best
@@ -64,6 +65,9 @@ transcripts, the standard mix for the other half. Trained on ``trace`` transcrip
 copied the rule and the function's name but predicted module names at their base rate in both places a
 command needs one (the notes in ``cat``, the broken module in ``edit``), so it solved almost nothing; the
 standard mix names modules in many more commands and outputs."""
+RULE_DRILL = 0.5
+"""``midtrain.rule_drill`` on this bench (a nonzero setting overrides it): half the ``trace`` transcripts
+state a rule outside the task grammar, which the start model can only copy, not recall."""
 QUICK = {
     "tiny": {"corpus_examples": 600},
     "midtrain": {"steps": 20, "batch_tokens": 1024, "warmup_steps": 2},
@@ -82,6 +86,7 @@ def _configure(settings, quick: bool, work: Path):
     s.tasks.repo_families = ["trace"]
     s.midtrain.demo_habits = {**DIRECT_HABITS, **settings.midtrain.demo_habits}
     s.midtrain.families = settings.midtrain.families or CORPUS_FAMILIES
+    s.midtrain.rule_drill = settings.midtrain.rule_drill or RULE_DRILL
     s.tasks.repo_path = None
     s.midtrain.eval_at_end = False
     s.grpo.out_dir = str(work / "grpo")

@@ -61,6 +61,10 @@ class MidtrainSettings(Section):
         default_factory=list, description="Task families whose transcripts the corpus holds, in turn (a family "
         "named twice gets twice the share); empty: tasks.repo_families. A corpus can teach more than the tasks "
         "are drawn from: the tool skills of the standard mix carry over to `trace` tasks.")
+    rule_drill: float = Field(0.0, ge=0, le=1, description="Share of `trace` transcripts whose rule is a function "
+                              "no task is drawn from (constants beyond the task grammar's ranges, so never a "
+                              "held-out one): a rule the model cannot recall, only copy. Without them the tiny "
+                              "model turned held-out rules into training functions it knew.")
     eval_at_end: bool = Field(True, description="Report held-out success of the result.")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads for the training loop; unset: "
                                 "one per core (mid-training runs alone and its batches split well across cores, "

@@ -84,14 +84,15 @@ def segment_ids(tokenizer, segments: list[Segment]) -> list[int]:
 
 
 def documents(n: int, seed: int, split_seed: int, heldout_fraction: float, agent_share: float,
-              habits: DemoHabits | None = None, families: Sequence[str] = FAMILIES) -> Iterator[list[Segment]]:
+              habits: DemoHabits | None = None, families: Sequence[str] = FAMILIES,
+              rule_drill: float = 0.0) -> Iterator[list[Segment]]:
     """``n`` documents drawn with ``seed``, a share ``agent_share`` of them agent transcripts (of the
     task ``families`` in turn), the rest function documents; none touches a function held out by the
     split with ``split_seed``."""
     rng = random.Random(seed + 70_001)
     fdocs = function_corpus(n, seed=seed, heldout_fraction=heldout_fraction, split_seed=split_seed)
     tdocs = transcripts(n, seed=seed, heldout_fraction=heldout_fraction, habits=habits, split_seed=split_seed,
-                        families=families)
+                        families=families, rule_drill=rule_drill)
     for _ in range(n):
         yield next(tdocs) if rng.random() < agent_share else function_segments(next(fdocs))
 
@@ -135,7 +136,7 @@ def midtrain_batches(tokenizer, cfg: MidtrainSettings, tasks: TaskSettings) -> I
     ``midtrain.families`` (default: the task families, ``tasks.repo_families``)."""
     habits = DemoHabits(**cfg.demo_habits) if cfg.demo_habits else None
     docs = documents(1 << 40, cfg.seed, tasks.seed, tasks.heldout_fraction, cfg.agent_share, habits,
-                     families=tuple(cfg.families or tasks.repo_families))
+                     families=tuple(cfg.families or tasks.repo_families), rule_drill=cfg.rule_drill)
     return token_batches(tokenizer, docs, cfg.batch_tokens)
 
 

@@ -30,6 +30,7 @@ from offline_rl.agent_env import RepoEnv, RepoState, TrustedTests, header
 from offline_rl.repo_tasks import (
     ALL_FAMILIES,
     FAMILIES,
+    LONG_FAMILIES,
     RepoTask,
     define,
     is_test_file,
@@ -37,7 +38,7 @@ from offline_rl.repo_tasks import (
     module_of,
     trace_rule,
 )
-from offline_rl.tasks import FunctionSpec, split_specs
+from offline_rl.tasks import FunctionSpec, outside_specs, split_specs
 from policy.summary import SUMMARY_REQUEST
 
 
@@ -213,17 +214,22 @@ class Demonstrator:
 
 
 def transcripts(n: int, seed: int = 0, heldout_fraction: float = 0.2, habits: DemoHabits | None = None,
-                split_seed: int | None = None, families: Sequence[str] = FAMILIES) -> Iterator[list[Segment]]:
+                split_seed: int | None = None, families: Sequence[str] = FAMILIES,
+                rule_drill: float = 0.0) -> Iterator[list[Segment]]:
     """The transcripts of ``n`` episodes (one per context) over freshly drawn *training* tasks of
     ``families`` in turn: held-out functions of the split with ``split_seed`` (default: ``seed``) never
-    appear."""
+    appear. ``rule_drill``: the share of long-horizon tasks whose function (the rule the fix copies) is
+    one of :func:`~offline_rl.tasks.outside_specs`, which no task is drawn from."""
     habits = habits or DemoHabits()
     train_specs, _ = split_specs(seed if split_seed is None else split_seed, heldout_fraction)
+    drill = outside_specs()
     rng = random.Random(seed + 50_021)
     demo = Demonstrator(habits, train_specs, rng)
     for i in range(n):
         family = families[i % len(families)]
         spec = train_specs[rng.randrange(len(train_specs))]
+        if rule_drill and family in LONG_FAMILIES and rng.random() < rule_drill:
+            spec = drill[rng.randrange(len(drill))]
         task = make_repo_task(family, spec, train_specs, rng, f"demo-{i}", "train")
         yield from demo.episode(task)
 

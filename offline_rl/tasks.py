@@ -101,6 +101,18 @@ def function_specs() -> list[FunctionSpec]:
     return specs
 
 
+def outside_specs() -> list[FunctionSpec]:
+    """Functions of the same families whose constants lie beyond :func:`function_specs`' ranges: no task
+    is drawn from them, so none is ever held out, and a corpus may show any of them (``midtrain.rule_drill``)."""
+    specs = [FunctionSpec("affine", f"x*{a}+{b}", f"x * {a} + {b}") for a in range(10, 20) for b in range(0, 25)]
+    specs += [FunctionSpec("affine", f"x*{a}+{b}", f"x * {a} + {b}") for a in range(1, 10) for b in range(25, 40)]
+    specs += [FunctionSpec("square", f"x*x+{c}", f"x * x + {c}") for c in range(20, 40)]
+    specs += [FunctionSpec("abs", f"abs(x-{c})", f"abs(x - {c})") for c in range(21, 41)]
+    specs += [FunctionSpec(f, f"{f}(x,{c})", f"{f}(x, {c})") for f in ("max", "min") for c in range(20, 40)]
+    specs += [FunctionSpec("mod", f"x%{m}", f"x % {m}") for m in range(10, 20)]
+    return specs
+
+
 def split_specs(seed: int = 0, heldout_fraction: float = 0.2) -> tuple[list[FunctionSpec], list[FunctionSpec]]:
     """Hold out ``heldout_fraction`` of each family (at least one function per family)."""
     rng = random.Random(seed)

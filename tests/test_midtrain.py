@@ -154,3 +154,18 @@ def test_corpus_families_default_to_the_task_families_and_repeat_as_weights():
     mixed = issues(MidtrainSettings(agent_share=1.0, batch_tokens=2000, families=["fix", "trace", "trace"]), tasks)
     trace = sum("its rule is in" in i for i in mixed)
     assert 0 < len(mixed) - trace < trace, mixed
+
+
+def test_rule_drill_shows_rules_no_task_is_drawn_from():
+    """``rule_drill`` rules are functions outside the task grammar: never a task's function (so never a
+    held-out one), and a trace transcript with one copies it into the fix."""
+    from offline_rl.tasks import function_specs, outside_specs
+
+    outside = {s.expr for s in outside_specs()}
+    assert outside and not outside & {s.expr for s in function_specs()}
+    texts = [transcript_text(t) for t in transcripts(40, seed=1, families=("trace",), rule_drill=0.5)]
+    fixes = [t.split("$ edit", 1)[1].split(" return ", 1)[1].splitlines()[0] for t in texts if "$ edit" in t]
+    drilled = [f for f in fixes if f in outside]
+    assert 0 < len(drilled) < len(fixes)
+    assert [transcript_text(t) for t in transcripts(20, seed=1, families=("trace",))] == \
+        [transcript_text(t) for t in transcripts(20, seed=1, families=("trace",), rule_drill=0.0)]
