@@ -10,8 +10,8 @@ budget? On the held-out long-horizon ``trace`` family, at one budget, from one s
   that outgrows it is cut off (no reward);
 * ``no_budget``: the start model with its whole context (the ceiling).
 
-Every arm is held-out success (pass@1) at its own best temperature of the grid (``eval.temperatures``
-and ``eval.temperature``): a gain that a lower temperature also gives is not one RL made. The paired
+Every arm is held-out success (pass@1) at its own best temperature of the grid (``eval.temperatures``,
+``eval.temperature`` and greedy decoding): a gain that a lower temperature also gives is not one RL made. The paired
 gains of ``trained`` over ``untrained`` and over ``control`` come with 95% intervals over tasks.
 
 The start model (unless ``--from``) is the tiny default model, mid-trained on ``trace`` transcripts
@@ -68,6 +68,15 @@ standard mix names modules in many more commands and outputs."""
 RULE_DRILL = 0.5
 """``midtrain.rule_drill`` on this bench (a nonzero setting overrides it): half the ``trace`` transcripts
 state a rule outside the task grammar, which the start model can only copy, not recall."""
+HELDOUT_PER_FAMILY = 48
+"""Held-out ``trace`` tasks (``tasks.repo_heldout_per_family``, a larger setting wins): 48 draws over the
+held-out functions (about 70) cover most of them, so the paired intervals are over distinct rules, not
+over repeats of a few."""
+SAMPLES = 8
+"""Samples per held-out task (``eval.samples``, a larger setting wins)."""
+GREEDY = 0.0
+"""Added to the temperature grid: on this family the start model's success still rose at the default
+grid's lowest temperature, so its best temperature is only known once greedy decoding is in the grid."""
 QUICK = {
     "tiny": {"corpus_examples": 600},
     "midtrain": {"steps": 20, "batch_tokens": 1024, "warmup_steps": 2},
@@ -82,6 +91,10 @@ def _configure(settings, quick: bool, work: Path):
     s = settings.model_copy(deep=True)
     if quick:
         apply_overrides(s, QUICK)
+    else:
+        s.tasks.repo_heldout_per_family = max(s.tasks.repo_heldout_per_family, HELDOUT_PER_FAMILY)
+        s.eval.samples = max(s.eval.samples, SAMPLES)
+        s.eval.temperatures = sorted({*s.eval.temperatures, GREEDY}, reverse=True)
     s.env.kind = "repo"
     s.tasks.repo_families = ["trace"]
     s.midtrain.demo_habits = {**DIRECT_HABITS, **settings.midtrain.demo_habits}
