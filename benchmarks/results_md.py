@@ -68,6 +68,7 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
                       ("min KL reduction, whole batch", "goals.min_kl_reduction_where_routes_disagree"),
                       ("its 95% CI", "goals.min_kl_reduction_ci95"),
                       ("max abs Δlogp replayed, staleness 0 fp32", "goals.max_abs_dlogp_replay_staleness0_fp32"),
+                      ("same, fp64", "goals.max_abs_dlogp_replay_staleness0_fp64"),
                       ("max replay overhead", "goals.max_recompute_overhead"),
                       ("route bytes per token and layer", "goals.max_bytes_per_token_routes"), ("cells", "cells")],
     "summarise": [("budget tokens", "budget_tokens"), ("trained summaries", "best_t.trained|trained"),

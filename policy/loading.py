@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
+          "float16": "float16", "fp16": "float16", "float64": "float64", "fp64": "float64"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
@@ -87,10 +87,17 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     path = check_model_dir(model_dir)
     try:
         with MODEL_BUILD_LOCK:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True,
+                                                         **_experts_kernel(dtype))
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not load {path}: {err}") from err
     return model.to(device).eval()
+
+
+def _experts_kernel(dtype: str) -> dict[str, str]:
+    """float64 runs a mixture-of-experts model's experts one by one: torch's grouped matmul, the default
+    experts kernel, has no float64 kernel (a dense model ignores the setting)."""
+    return {"experts_implementation": "eager"} if DTYPES.get(dtype) == "float64" else {}
 
 
 def save_policy(model, tokenizer, out_dir: str | Path, state_dict: dict | None = None) -> Path:

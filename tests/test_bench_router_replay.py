@@ -30,6 +30,14 @@ def test_a_cell_measures_both_router_modes_and_the_goals_read_them(tiny_moe_dir)
     g = goals([same, bf16])
     assert g["exact_replay_met"] and g["route_bytes_met"]
     assert g["max_abs_dlogp_replay_staleness0_fp32"] == same["max_abs_dlogp_replay"]
+    # In float64 the goal is read there: the sampler's and the trainer's rounding no longer hide what
+    # replay itself would get wrong (the log-softmax stays float32, so its rounding is the floor).
+    fp64 = {"engine": "torch", "staleness": 0, "sampler_dtype": "float64", "trainer_dtype": "float64",
+            **measure_cell(_sample_torch(tiny_moe_dir, "float64", "cpu", prompts, 2, 6, 1), tiny_moe_dir, "float64",
+                           "cpu", repeats=1)}
+    assert fp64["max_abs_dlogp_replay"] <= same["max_abs_dlogp_replay"] + 1e-7
+    worse = goals([same, {**fp64, "max_abs_dlogp_replay": 2e-5}])
+    assert not worse["exact_replay_met"] and worse["max_abs_dlogp_replay_staleness0_fp64"] == 2e-5
     assert same["tokens_flipped"] == 0 and "kl_reduction_flipped" not in same
 
 
