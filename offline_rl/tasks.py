@@ -84,32 +84,37 @@ class FunctionSpec:
         return eval(self.expr, {"abs": abs, "max": max, "min": min}, {"x": x})  # trusted, generated here
 
 
+TEMPLATES = {"affine": ("x*{a}+{b}", "x * {a} + {b}"), "square": ("x*x+{c}", "x * x + {c}"),
+             "abs": ("abs(x-{c})", "abs(x - {c})"), "max": ("max(x,{c})", "max(x, {c})"),
+             "min": ("min(x,{c})", "min(x, {c})"), "mod": ("x%{c}", "x % {c}")}
+"""Each family's canonical expression and its 'spaced' style, with the constants as fields."""
+
+
+def make_spec(family: str, **constants: int) -> FunctionSpec:
+    """The function of ``family`` with these constants (``a``, ``b`` for affine, else ``c``)."""
+    expr, spaced = TEMPLATES[family]
+    return FunctionSpec(family, expr.format(**constants), spaced.format(**constants))
+
+
 def function_specs() -> list[FunctionSpec]:
-    specs: list[FunctionSpec] = []
-    for a in range(1, 10):
-        for b in range(0, 25):
-            specs.append(FunctionSpec("affine", f"x*{a}+{b}", f"x * {a} + {b}"))
-    for c in range(0, 20):
-        specs.append(FunctionSpec("square", f"x*x+{c}", f"x * x + {c}"))
-    for c in range(1, 21):
-        specs.append(FunctionSpec("abs", f"abs(x-{c})", f"abs(x - {c})"))
-    for c in range(0, 20):
-        specs.append(FunctionSpec("max", f"max(x,{c})", f"max(x, {c})"))
-        specs.append(FunctionSpec("min", f"min(x,{c})", f"min(x, {c})"))
-    for m in range(2, 10):
-        specs.append(FunctionSpec("mod", f"x%{m}", f"x % {m}"))
+    """Every function a task may hide (the task grammar)."""
+    specs = [make_spec("affine", a=a, b=b) for a in range(1, 10) for b in range(0, 25)]
+    specs += [make_spec("square", c=c) for c in range(0, 20)]
+    specs += [make_spec("abs", c=c) for c in range(1, 21)]
+    specs += [make_spec(f, c=c) for c in range(0, 20) for f in ("max", "min")]
+    specs += [make_spec("mod", c=c) for c in range(2, 10)]
     return specs
 
 
 def outside_specs() -> list[FunctionSpec]:
     """Functions of the same families whose constants lie beyond :func:`function_specs`' ranges: no task
     is drawn from them, so none is ever held out, and a corpus may show any of them (``midtrain.rule_drill``)."""
-    specs = [FunctionSpec("affine", f"x*{a}+{b}", f"x * {a} + {b}") for a in range(10, 20) for b in range(0, 25)]
-    specs += [FunctionSpec("affine", f"x*{a}+{b}", f"x * {a} + {b}") for a in range(1, 10) for b in range(25, 40)]
-    specs += [FunctionSpec("square", f"x*x+{c}", f"x * x + {c}") for c in range(20, 40)]
-    specs += [FunctionSpec("abs", f"abs(x-{c})", f"abs(x - {c})") for c in range(21, 41)]
-    specs += [FunctionSpec(f, f"{f}(x,{c})", f"{f}(x, {c})") for f in ("max", "min") for c in range(20, 40)]
-    specs += [FunctionSpec("mod", f"x%{m}", f"x % {m}") for m in range(10, 20)]
+    specs = [make_spec("affine", a=a, b=b) for a in range(10, 20) for b in range(0, 25)]
+    specs += [make_spec("affine", a=a, b=b) for a in range(1, 10) for b in range(25, 40)]
+    specs += [make_spec("square", c=c) for c in range(20, 40)]
+    specs += [make_spec("abs", c=c) for c in range(21, 41)]
+    specs += [make_spec(f, c=c) for f in ("max", "min") for c in range(20, 40)]
+    specs += [make_spec("mod", c=c) for c in range(10, 20)]
     return specs
 
 
