@@ -204,24 +204,23 @@ def test_bench_summarise_quick(tiny_model_dir, capsys):
     assert set(out["gain_vs_control"]) == {"gain", "ci95", "tasks"}  # the matched-compute control ran
 
 
-def test_bench_summarise_start_model_is_trained_without_the_budget(tmp_path, monkeypatch):
+def test_bench_summarise_start_model_is_mid_trained_on_the_bench_corpus(tmp_path, monkeypatch):
     import benchmarks.summarise as bench
 
-    runs = []
+    seen = []
 
-    def spy(settings, init_dir, **kw):
-        runs.append((settings.env.context_budget, settings.grpo.out_dir, settings.tasks.repo_families))
-        return real(settings, init_dir, **kw)
+    def spy(settings, **kw):
+        seen.append((settings.midtrain.families, settings.midtrain.rule_drill, settings.midtrain.demo_habits))
+        return real(settings, **kw)
 
-    real = bench.run_grpo
-    monkeypatch.setattr(bench, "run_grpo", spy)
+    real = bench.run_midtrain
+    monkeypatch.setattr(bench, "run_midtrain", spy)
+    monkeypatch.setattr(bench, "run_grpo", lambda *a, **kw: pytest.fail("no RL before the budgeted run"))
     s = bench._configure(load_settings(), True, tmp_path)
-    s.env.context_budget = 300
     msgs: list[str] = []
-    start = bench.agent_start(s, tmp_path, True, msgs.append)
+    start = bench.start_model(s, tmp_path, True, msgs.append)
     assert (start / "config.json").is_file() and any(m.startswith("midtrain:") for m in msgs), msgs
-    assert runs == [(0, str(tmp_path / "agent"), ["trace"])]
-    assert s.env.context_budget == 300 and s.grpo.out_dir == str(tmp_path / "grpo")  # the budgeted run's own
+    assert seen == [(bench.CORPUS_FAMILIES, bench.RULE_DRILL, bench.DIRECT_HABITS)]
 
 
 def test_moe_routes_per_segment_are_replayed(tiny_moe_dir, tmp_path):
