@@ -54,15 +54,14 @@ from policy.loading import load_policy
 BUDGET_SLACK = 32
 """Tokens above the smallest legal budget: room for two or three turns after a summary, less than an
 episode that reads the notes and then fixes the function."""
-DIRECT_HABITS = {"test_first": 0.0, "grep": 1.0, "verify": 0.0, "correct": 1.0, "summary_keeps_rule": 0.2}
+DIRECT_HABITS = {"test_first": 0.0, "grep": 1.0, "verify": 0.0, "correct": 1.0}
 """The demonstrator's habits on this bench (``midtrain.demo_habits`` overrides them): straight from the
 notes to the fix (read the notes, ``grep``, edit, submit), so that at the bench's budget the context after
 a summary holds the rest of the episode (a detour would need a second summary, which the
 demonstrations never show); an informed edit is always right. ``ls`` comes before the notes if at all.
-One summary in five states the rule; the others restate the issue and point at the notes, as a
-summariser does that does not know what the rest of the episode needs: whether RL teaches it what to
-keep is what the bench measures (with 0.4, the start model's summaries at a low temperature kept the
-rule about as often as the trained model's did)."""
+Summaries state the rule as often as the demonstrator's default has them do: with one in five
+instead, every arm solved less and the start model's greedy summaries still kept the rule about half
+the time (what a summary keeps follows how exactly it copies the rule, a temperature effect)."""
 CORPUS_FAMILIES = [*FAMILIES, *["trace"] * len(FAMILIES)]
 """The start model's corpus (``midtrain.families`` overrides it): ``trace`` transcripts for half of the
 transcripts, the standard mix for the other half. Trained on ``trace`` transcripts alone, the tiny model
