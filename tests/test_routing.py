@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from policy.logprobs import sequence_logprobs
 from policy.routes import RouteFormatError, RouteGeometry, Routes, extend, geometry_from_config, route_problem
 from policy.routing import RouteMismatch, geometry_of, route_session
 from policy.sampling import SamplingParams, generate
+from policy.vllm_moe import engine_kwargs, route_mode, routes_from_output
 from rtrl.cli import app
 
 PROMPTS = ["# f(0)=7 f(1)=15 f(2)=23 f(8)=71\ndef f(x): return ", "def f(x): return x*"]
@@ -150,3 +152,21 @@ def test_cli_init_model_moe(tmp_path):
     assert "4 MoE layers of 4 experts (top-2)" in result.output
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe" and config["router_aux_loss_coef"] > 0
+
+
+def test_vllm_routed_experts_output_becomes_the_moe_layers_record(tiny_moe_dir, tiny_model_dir, monkeypatch):
+    """The CUDA path's pieces that run without a GPU: which path a model gets, the engine options, and the
+    record made from vLLM's ``routed_experts`` ([positions, decoder layers, top_k], dense layers included)."""
+    assert route_mode(tiny_moe_dir, "cuda") == "output" and route_mode(tiny_moe_dir, "cpu") == "tap"
+    assert route_mode(tiny_model_dir, "cuda") is None
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # restored after the test: engine_kwargs sets it
+    assert engine_kwargs("output") == {"enable_return_routed_experts": True, "enable_prefix_caching": True}
+    assert engine_kwargs("tap") == {"enable_prefix_caching": False} and engine_kwargs(None) == {}
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"  # the output exists on vLLM's V2 runner only
+    config = {"num_hidden_layers": 4, "mlp_only_layers": [1], "num_experts": 8, "num_experts_per_tok": 2}
+    out = np.random.default_rng(0).integers(0, 8, size=(10, 4, 2)).astype(np.int32)
+    r = routes_from_output(out, config, positions=9)
+    assert r.shape == (9, 3, 2) and r.experts == 8 and r.ids.dtype == np.uint8
+    assert (r.ids == out[:9][:, [0, 2, 3]]).all()  # layer 1 is dense: no router, no row
+    assert routes_from_output(out, config, positions=11) is None  # fewer rows than consumed positions
+    assert routes_from_output(None, config, positions=9) is None
