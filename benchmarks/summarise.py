@@ -59,9 +59,8 @@ DIRECT_HABITS = {"test_first": 0.0, "grep": 1.0, "verify": 0.0, "correct": 1.0}
 notes to the fix (read the notes, ``grep``, edit, submit), so that at the bench's budget the context after
 a summary holds the rest of the episode (a detour would need a second summary, which the
 demonstrations never show); an informed edit is always right. ``ls`` comes before the notes if at all.
-Summaries state the rule as often as the demonstrator's default has them do: with one in five
-instead, every arm solved less and the start model's greedy summaries still kept the rule about half
-the time (what a summary keeps follows how exactly it copies the rule, a temperature effect)."""
+Summaries state the rule as often as the demonstrator's default has them do (docs/limits.md: a rarer
+habit was tried)."""
 CORPUS_FAMILIES = [*FAMILIES, *["trace"] * len(FAMILIES)]
 """The start model's corpus (``midtrain.families`` overrides it): ``trace`` transcripts for half of the
 transcripts, the standard mix for the other half. Trained on ``trace`` transcripts alone, the tiny model

@@ -63,8 +63,7 @@ class MidtrainSettings(Section):
         "are drawn from: the tool skills of the standard mix carry over to `trace` tasks.")
     rule_drill: float = Field(0.0, ge=0, le=1, description="Share of `trace` transcripts whose rule is a function "
                               "no task is drawn from (constants beyond the task grammar's ranges, so never a "
-                              "held-out one): a rule the model cannot recall, only copy. Without them the tiny "
-                              "model turned held-out rules into training functions it knew.")
+                              "held-out one): a rule the model cannot recall, only copy.")
     eval_at_end: bool = Field(True, description="Report held-out success of the result.")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads for the training loop; unset: "
                                 "one per core (mid-training runs alone and its batches split well across cores, "
