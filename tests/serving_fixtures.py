@@ -96,11 +96,17 @@ def engine_held(engine):
         with engine._cond:
             yield
         return
+    # The last batch's answer may still be on its way (its rows' futures settle before its "end" is read):
+    # stopping the child then would hold that batch, not the filler. Wait until the engine is idle.
+    deadline = time.monotonic() + 30
+    while engine._inflight is not None or engine.queue_depth:
+        assert time.monotonic() < deadline, "the engine did not become idle"
+        time.sleep(0.001)
     pid = engine._proc.pid
     os.kill(pid, signal.SIGSTOP)
     try:
         filler = engine.submit([[1, 2]], [SamplingParams(max_new_tokens=1)])
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while engine._inflight is None or engine.queue_depth:
             assert time.monotonic() < deadline, "the filler batch did not start"
             time.sleep(0.001)
