@@ -87,7 +87,7 @@ from policy.losses import (
     truncated_importance_weight,
     zero_variance_groups,
 )
-from policy.routing import RouteStats, geometry_of
+from policy.routing import RouteStats
 
 CKPT_DIR = "checkpoints"
 SHARDS = "shards"
@@ -145,10 +145,6 @@ class GRPOTrainer:
         if not self.n_trainable:
             raise ValueError(f"grpo.trainable={self.cfg.trainable!r} matches no parameter of {model_dir}")
         self.replay = self.cfg.router_replay == "replay"
-        if self.replay and self.cfg.rollout_engine == "vllm" and geometry_of(self.model) is not None:
-            raise ValueError(f"{model_dir} is a mixture-of-experts model and grpo.rollout_engine 'vllm' records no "
-                             "routes, so grpo.router_replay 'replay' would have none to replay: use rollout_engine "
-                             "'torch' (it records them) or router_replay 'off'")
         self.model = self.dp.shard(self.model)
         self.ref = None
         if self.cfg.kl_coef > 0:

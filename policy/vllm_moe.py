@@ -198,3 +198,14 @@ def take_routes(llm, request_id: str, positions: int) -> Routes | None:
 def forget_routes(llm, request_ids: list[str]) -> None:
     """Drop the tap's buffers of requests that will never be taken (aborted, scoring passes)."""
     llm.collective_rpc(_forget, args=(list(request_ids),))
+
+
+def finished_routes(llm, mode: str | None, request_id: str, output, config: dict[str, Any],
+                    positions: int) -> Routes | None:
+    """A finished request's record in route ``mode`` (``request_id``: vLLM's internal id, what the tap
+    files routes under; ``output``: its ``CompletionOutput``); None for a dense model."""
+    if mode == "tap":
+        return take_routes(llm, request_id, positions)
+    if mode == "output":
+        return routes_from_output(output.routed_experts, config, positions)
+    return None

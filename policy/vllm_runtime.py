@@ -15,6 +15,7 @@ weights); with the CPU route tap, the tap is bound again to any router the reloa
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ from typing import Any
 from safetensors.torch import load_file
 
 from policy import vllm_moe
+from policy.routes import Routes
+
+_request_ids = itertools.count()
 
 
 def retie_lm_head(worker) -> bool:
@@ -96,3 +100,45 @@ def reload_weights(llm, state_dict: dict, *, route_mode: str | None, model_dir: 
     llm.reset_prefix_cache()
     if route_mode == "tap":
         vllm_moe.install_tap(llm, model_dir, context_length(model_dir) or 32768)
+
+
+def token_inputs(llm, prompts: list[list[int]]) -> list:
+    """Token-id prompts as ``llm``'s engine takes them (rendered as ``LLM.generate`` does; raw
+    ``TokensPrompt`` dicts are deprecated input there)."""
+    from vllm.inputs import TokensPrompt
+
+    raw = [TokensPrompt(prompt_token_ids=list(r)) for r in prompts]
+    render = getattr(llm, "_preprocess_cmpl", None)
+    return list(render(raw)) if render is not None else raw
+
+
+def generate_routed(llm, prompts: list[list[int]], vparams: list, *, route_mode: str | None,
+                    config: dict[str, Any]) -> list[tuple[Any, Routes | None]]:
+    """Each prompt's finished ``CompletionOutput`` and its route record (None for a dense model): what
+    ``LLM.generate`` does, through the engine's requests, whose internal ids the route tap files
+    routes under. Nothing is left behind in the engine or the tap if it raises."""
+    eng = llm.llm_engine
+    tag = f"rtrl-rollout{next(_request_ids)}"
+    done: list[tuple[Any, Routes | None] | None] = [None] * len(prompts)
+    internal: list[str] = []
+    try:
+        for i, inp in enumerate(token_inputs(llm, prompts)):
+            internal.append(eng.add_request(f"{tag}-{i}", inp, vparams[i]))
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if not out.finished:
+                    continue
+                i = int(out.request_id.rpartition("-")[2])
+                o = out.outputs[0]
+                positions = len(prompts[i]) + len(o.token_ids) - 1
+                done[i] = (o, vllm_moe.finished_routes(llm, route_mode, internal[i], o, config, positions))
+    except BaseException:
+        if eng.has_unfinished_requests():
+            eng.abort_request(internal, internal=True)
+        if route_mode == "tap":
+            vllm_moe.forget_routes(llm, internal)
+        raise
+    missing = [i for i, d in enumerate(done) if d is None]
+    if missing:
+        raise RuntimeError(f"vLLM finished without an output for rows {missing}")
+    return done  # type: ignore[return-value]

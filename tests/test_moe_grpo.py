@@ -5,8 +5,6 @@ routers free and with routes replayed, as the lifecycle report shows."""
 
 from __future__ import annotations
 
-import pytest
-
 from offline_rl.grpo import GRPOTrainer
 from offline_rl.rollout import TorchBackend, Trajectory
 from policy.routes import extend
@@ -58,15 +56,3 @@ def test_grpo_on_moe_replays_the_sampled_routes_of_every_turn_and_the_report_sho
     assert data.mismatch["offline GRPO"]["mismatch_kl_k3"] == (m["mismatch_kl_k3"] + 0.5) / 2
     page = write_report(data, tmp_path / "report").read_text()
     assert "k3 KL, routes replayed" in page and "routes differ" in page
-
-
-def test_replay_with_a_rollout_backend_that_records_no_routes_is_refused(tiny_moe_dir, tiny_model_dir, tmp_path):
-    """The vLLM rollout backend records no routes: replaying on a MoE model would silently train with free
-    routing, so the trainer refuses the combination (and allows it with replay off, or on a dense model)."""
-    s = make_settings(tmp_path)
-    s.grpo.rollout_engine = "vllm"
-    with pytest.raises(ValueError, match="records no routes"):
-        GRPOTrainer(s, tiny_moe_dir)
-    GRPOTrainer(s, tiny_model_dir)
-    s.grpo.router_replay = "off"
-    assert not GRPOTrainer(s, tiny_moe_dir).replay

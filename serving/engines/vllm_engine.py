@@ -60,7 +60,7 @@ from typing import Any
 
 from policy import vllm_moe
 from policy.sampling import FINISH_LENGTH, FINISH_STOP, Sample, SamplingParams
-from policy.vllm_runtime import build_llm, read_state_dict, reload_weights
+from policy.vllm_runtime import build_llm, read_state_dict, reload_weights, token_inputs
 from serving.engines.base import Engine
 from serving.versions import VersionRef
 
@@ -124,14 +124,6 @@ class VLLMRunner:
         reload_weights(llm, state_dict, route_mode=self.route_mode, model_dir=model_dir)
         return llm
 
-    @staticmethod
-    def _inputs(llm, prompts: list[list[int]]) -> list:
-        from vllm.inputs import TokensPrompt
-
-        raw = [TokensPrompt(prompt_token_ids=list(r)) for r in prompts]
-        render = getattr(llm, "_preprocess_cmpl", None)  # what LLM.generate does; raw prompts are deprecated
-        return list(render(raw)) if render is not None else raw
-
     def generate(self, llm, rows: list[list[int]], params: list[SamplingParams], *, on_step=None,
                  on_finish=None) -> list[Sample]:
         """One batch on ``llm``: ``on_step(rows, tokens)`` after each step (streaming), ``on_finish(row,
@@ -170,7 +162,7 @@ class VLLMRunner:
                            output_kind=kind) for p in params]
         scored: list[int] = []  # rows whose scoring pass was added, in order (their ids follow the rows')
         try:
-            for i, inp in enumerate(self._inputs(llm, rows)):
+            for i, inp in enumerate(token_inputs(llm, rows)):
                 internal.append(eng.add_request(f"{tag}-g{i}", inp, vparams[i]))
             while eng.has_unfinished_requests():
                 step_rows, step_tokens, done, scores = [], [], [], []
@@ -195,7 +187,8 @@ class VLLMRunner:
                         step_tokens += new
                     if out.finished:
                         finish[i] = FINISH_LENGTH if o.finish_reason == "length" else FINISH_STOP
-                        routes[i] = self._routes(llm, internal[i], o, len(rows[i]) + len(ids[i]) - 1)
+                        routes[i] = vllm_moe.finished_routes(llm, self.route_mode, internal[i], o, self.config,
+                                                             len(rows[i]) + len(ids[i]) - 1)
                         if self.both and needs_raw_pass(params[i]):
                             scores.append(i)
                         else:
@@ -205,7 +198,7 @@ class VLLMRunner:
                 if scores:
                     scored += scores
                     self.raw_passes += len(scores)
-                    inputs = self._inputs(llm, [rows[i] + ids[i] for i in scores])
+                    inputs = token_inputs(llm, [rows[i] + ids[i] for i in scores])
                     for i, inp in zip(scores, inputs, strict=True):
                         internal.append(eng.add_request(f"{tag}-s{i}", inp, VParams(
                             max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)))
@@ -218,15 +211,6 @@ class VLLMRunner:
                 vllm_moe.forget_routes(llm, internal)
             raise
         return samples
-
-    def _routes(self, llm, request_id: str, output, positions: int):
-        """A finished row's route record (None for a dense model)."""
-        if self.route_mode == "tap":
-            return vllm_moe.take_routes(llm, request_id, positions)
-        if self.route_mode == "output":
-            return vllm_moe.routes_from_output(output.routed_experts, self.config, positions)
-        return None
-
 
 
 class VLLMEngine(Engine):
