@@ -8,7 +8,8 @@ budget? On the held-out long-horizon ``trace`` family, at one budget, from one s
   took (on the same corpus, whose demonstrations summarise imperfectly), same budget;
 * ``truncation``: the start model with the same budget as a hard limit, no summary turn: an episode
   that outgrows it is cut off (no reward);
-* ``no_budget``: the start model with its whole context (the ceiling).
+* ``no_budget``: the start model with its whole context (the ceiling), measured first: under
+  :data:`START_FLOOR` the bench stops before training.
 
 Every arm is held-out success (pass@1) at its own best temperature of the grid (``eval.temperatures``,
 ``eval.temperature`` and greedy decoding): a gain that a lower temperature also gives is not one RL made. The paired
@@ -79,6 +80,10 @@ SAMPLES = 8
 GREEDY = 0.0
 """Added to the temperature grid: on this family the start model's success still rose at the default
 grid's lowest temperature, so its best temperature is only known once greedy decoding is in the grid."""
+START_FLOOR = 0.2
+"""Held-out success the start model must reach with its whole context (``no_budget``, at its best
+temperature) before the budgeted arms are run: below it there is nothing for a summary to carry, and the
+bench stops with the reason instead of measuring noise for half an hour (not checked with ``--quick``)."""
 QUICK = {
     "tiny": {"corpus_examples": 600},
     "midtrain": {"steps": 20, "batch_tokens": 1024, "warmup_steps": 2},
@@ -134,6 +139,11 @@ def _grid(s, path, tasks, sandbox, temperatures, *, budget: int, summarise: bool
                             max_context=None if summarise or not budget else budget)
 
 
+def _by_t(grid: GridResult) -> str:
+    return ", ".join(f"T={t}: {r.pass_at_1:.3f} (fact kept {r.summaries.get('fact_kept')})"
+                     for t, r in grid.results.items())
+
+
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b > 0 else None
 
@@ -154,22 +164,29 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         temps = grid_temperatures(s)
         log(f"summarise: budget {budget} tokens, {len(split.heldout)} held-out trace tasks x {s.eval.samples} "
             f"at T {temps}, start model {start}")
+        with SandboxPool(s.sandbox) as sandbox:
+            ceiling = _grid(s, start, split.heldout, sandbox, temps, budget=0, summarise=False)
+        log(f"summarise: no_budget (the start model, whole context): {_by_t(ceiling)}")
+        if not quick and ceiling.best.pass_at_1 < START_FLOOR:
+            raise RuntimeError(
+                f"the start model {start} solves {ceiling.best.pass_at_1:.3f} of the held-out trace tasks with its "
+                f"whole context (best T={ceiling.best_t}), under {START_FLOOR}: no budgeted arm could tell summaries "
+                "apart. Its mid-training did not learn the family (copying the notes' rule into the fix); mid-train "
+                "it again (another tiny.seed or more midtrain.steps) or pass a capable model with --from")
         t0 = time.perf_counter()
         grpo = run_grpo(s, start, progress=not quick, log=log, resume=False, evaluate_before=False,
                         evaluate_after=False)
         grpo_s = time.perf_counter() - t0
         log(f"summarise: GRPO took {grpo_s:.0f}s; the control mid-trains the start model for as long")
         control = continue_midtrain(s, start, work / "control", seconds=grpo_s, progress=not quick, log=log)
-        runs = {"trained": (grpo.final_dir, True, budget), "untrained": (start, True, budget),
-                "control": (control, True, budget), "truncation": (start, False, budget),
-                "no_budget": (start, False, 0)}
+        runs = {"trained": (grpo.final_dir, True), "untrained": (start, True), "control": (control, True),
+                "truncation": (start, False)}
         grids: dict[str, GridResult] = {}
         with SandboxPool(s.sandbox) as sandbox:
-            for name, (path, summarise, b) in runs.items():
-                grids[name] = _grid(s, path, split.heldout, sandbox, temps, budget=b, summarise=summarise)
-                log(f"summarise: {name}: " + ", ".join(
-                    f"T={t}: {r.pass_at_1:.3f} (fact kept {r.summaries.get('fact_kept')})"
-                    for t, r in grids[name].results.items()))
+            for name, (path, summarise) in runs.items():
+                grids[name] = _grid(s, path, split.heldout, sandbox, temps, budget=budget, summarise=summarise)
+                log(f"summarise: {name}: {_by_t(grids[name])}")
+        grids["no_budget"] = ceiling
     cmp = Comparison(grids=grids, temperatures=temps, serving_t=s.eval.temperature, subject="trained",
                      n_tasks=len(split.heldout), samples=s.eval.samples)
     ok = {name: cmp.best(name)["pass_at_1"] for name in grids}
@@ -193,6 +210,8 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         "heldout_tasks": len(split.heldout),
         "samples_per_task": s.eval.samples,
         "grpo_steps": grpo.steps,
+        "grpo_temperature": s.grpo.temperature,
+        "demo_habits": s.midtrain.demo_habits,
         "grpo_s": round(grpo_s, 1),
         "quick": quick,
         "from_dir": from_dir,

@@ -6,11 +6,12 @@ advantage (summary tokens trained, observations not), segments over the remote w
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from offline_rl.agent_env import TOOLS, RepoEnv, TrustedTests, header
-from offline_rl.evaluate import summary_metrics
+from offline_rl.evaluate import GridResult, summary_metrics
 from offline_rl.grpo import GRPOTrainer
 from offline_rl.remote import decode_batch, encode_batch
 from offline_rl.repo_tasks import generate_repo_tasks
@@ -221,6 +222,21 @@ def test_bench_summarise_start_model_is_mid_trained_on_the_bench_corpus(tmp_path
     start = bench.start_model(s, tmp_path, True, msgs.append)
     assert (start / "config.json").is_file() and any(m.startswith("midtrain:") for m in msgs), msgs
     assert seen == [(bench.CORPUS_FAMILIES, bench.RULE_DRILL, bench.DIRECT_HABITS)]
+
+
+def test_bench_summarise_stops_when_the_start_model_cannot_do_the_family(tiny_model_dir, tmp_path, monkeypatch):
+    """A start model under START_FLOOR with its whole context: the bench stops before GRPO, with the reason."""
+    import benchmarks.summarise as bench
+
+    weak = GridResult({t: SimpleNamespace(pass_at_1=0.01, summaries={}) for t in (1.0, 0.0)})
+    arms = []
+    monkeypatch.setattr(bench, "_grid", lambda s, path, tasks, sandbox, temps, *, budget, summarise:
+                        arms.append((budget, summarise)) or weak)
+    monkeypatch.setattr(bench, "run_grpo", lambda *a, **kw: pytest.fail("GRPO ran on a start model under the floor"))
+    settings = load_settings(var_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"solves 0\.010 .* under 0\.2"):
+        bench.run(settings, log=lambda msg: None, from_dir=str(tiny_model_dir))
+    assert arms == [(0, False)]  # only the no-budget arm was measured
 
 
 def test_moe_routes_per_segment_are_replayed(tiny_moe_dir, tmp_path):
