@@ -38,7 +38,7 @@ def test_grpo_teaches_summaries_that_keep_the_rule(tiny_model_dir, tmp_path):
     start = imitate(s, tiny_model_dir, tmp_path, tasks, LOSSY)
     train_and_evaluate_on(s, tasks, tmp_path)
     g = s.grpo
-    # Half the direction tests' lr: at 2e-4 this run's success rose for six steps, then fell below the start's.
+    # Half the direction tests' lr: at theirs this run overshot (see the commit that set it).
     g.max_new_tokens, g.lr = 24, 1e-4
     # A budget the notes fill (so every episode summarises) with room after a summary for grep, edit, submit.
     s.env.summary_max_tokens = 24
