@@ -203,6 +203,7 @@ def test_bench_summarise_quick(tiny_model_dir, capsys):
     assert out["segments_mean"] > 1  # the budget made the episodes summarise
     assert out["truncated_share"]["truncation"] > 0  # and without summaries they were cut off
     assert set(out["gain_vs_control"]) == {"gain", "ci95", "tasks"}  # the matched-compute control ran
+    assert out["start_midtrain_steps"] is None  # the start model given was not mid-trained by rtrl
 
 
 def test_bench_summarise_start_model_is_mid_trained_on_the_bench_corpus(tmp_path, monkeypatch):
@@ -222,6 +223,8 @@ def test_bench_summarise_start_model_is_mid_trained_on_the_bench_corpus(tmp_path
     start = bench.start_model(s, tmp_path, True, msgs.append)
     assert (start / "config.json").is_file() and any(m.startswith("midtrain:") for m in msgs), msgs
     assert seen == [(bench.CORPUS_FAMILIES, bench.RULE_DRILL, bench.DIRECT_HABITS)]
+    assert bench._midtrain_steps(start) == s.midtrain.steps  # what the result line records
+    assert bench._configure(load_settings(), False, tmp_path).midtrain.steps == bench.MIDTRAIN_STEPS
 
 
 def test_bench_summarise_stops_when_the_start_model_cannot_do_the_family(tiny_model_dir, tmp_path, monkeypatch):
