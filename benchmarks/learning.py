@@ -17,7 +17,6 @@ every step at toy sizes to check the pipeline, not to measure).
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import Any
 from offline_rl.compare import compare_models, grid_temperatures
 from offline_rl.corpus import build_default_model
 from offline_rl.grpo import run_grpo
-from offline_rl.midtrain import continue_midtrain, run_midtrain
+from offline_rl.midtrain import continue_midtrain, midtrain_record, run_midtrain
 from offline_rl.presets import apply_overrides
 
 QUICK = {
@@ -62,7 +61,7 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         log(f"learning: env={s.env.kind}, temperatures {grid_temperatures(s)}, work dir {work}")
         if from_dir:
             mid = Path(from_dir)
-            record = json.loads((mid / "midtrain.json").read_text()) if (mid / "midtrain.json").is_file() else {}
+            record = midtrain_record(mid)
             midtrain_s = float(record.get("train_s", 0.0))
             s.midtrain.steps = int(record.get("steps", s.midtrain.steps))
             log(f"learning: starting from the mid-trained model {mid}")

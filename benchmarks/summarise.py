@@ -33,7 +33,6 @@ to measure. Artefacts stay in ``<var_dir>/bench/summarise`` (a temporary directo
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from offline_rl.compare import Comparison, grid_temperatures
 from offline_rl.corpus import build_default_model
 from offline_rl.evaluate import GridResult, temperature_grid
 from offline_rl.grpo import run_grpo
-from offline_rl.midtrain import continue_midtrain, run_midtrain
+from offline_rl.midtrain import continue_midtrain, midtrain_record, run_midtrain
 from offline_rl.presets import apply_overrides
 from offline_rl.repo_tasks import FAMILIES
 from offline_rl.rollout import min_budget
@@ -152,12 +151,6 @@ def _by_t(grid: GridResult) -> str:
                      for t, r in grid.results.items())
 
 
-def _midtrain_steps(model_dir: Path) -> int | None:
-    """The mid-training steps that made ``model_dir`` (its ``midtrain.json``), if it was mid-trained here."""
-    record = model_dir / "midtrain.json"
-    return json.loads(record.read_text())["steps"] if record.is_file() else None
-
-
 def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 3) if b > 0 else None
 
@@ -223,7 +216,7 @@ def run(settings, quick: bool = False, log: Callable[[str], None] = print,
         "pass_at_1_by_t": cmp.to_dict()["pass_at_1_by_t"],
         "heldout_tasks": len(split.heldout),
         "samples_per_task": s.eval.samples,
-        "start_midtrain_steps": _midtrain_steps(start),
+        "start_midtrain_steps": midtrain_record(start).get("steps"),
         "grpo_steps": grpo.steps,
         "grpo_temperature": s.grpo.temperature,
         "summary_token_weight": s.grpo.summary_token_weight,

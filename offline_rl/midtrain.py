@@ -202,6 +202,13 @@ def _midtrain(settings: OfflineSettings, init_dir: str | Path | None, out_dir: s
     return out
 
 
+def midtrain_record(model_dir: str | Path) -> dict:
+    """The ``midtrain.json`` that :func:`run_midtrain` wrote beside ``model_dir``'s weights; empty for a
+    model it did not make."""
+    path = Path(model_dir) / "midtrain.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def continue_midtrain(settings: OfflineSettings, init_dir: str | Path, out_dir: str | Path, seconds: float,
                       progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """The matched-compute control: ``seconds`` more mid-training from ``init_dir`` (module docstring)."""

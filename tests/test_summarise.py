@@ -223,7 +223,7 @@ def test_bench_summarise_start_model_is_mid_trained_on_the_bench_corpus(tmp_path
     start = bench.start_model(s, tmp_path, True, msgs.append)
     assert (start / "config.json").is_file() and any(m.startswith("midtrain:") for m in msgs), msgs
     assert seen == [(bench.CORPUS_FAMILIES, bench.RULE_DRILL, bench.DIRECT_HABITS)]
-    assert bench._midtrain_steps(start) == s.midtrain.steps  # what the result line records
+    assert bench.midtrain_record(start)["steps"] == s.midtrain.steps  # what the result line records
     assert bench._configure(load_settings(), False, tmp_path).midtrain.steps == bench.MIDTRAIN_STEPS
 
 
